@@ -1,0 +1,103 @@
+"""The compiled train step against a single-device reference on the whole batch."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import max_rel, random_batch, reference_step, setup, to_host
+from trjax import steps
+
+
+def _run_one_step(world_spec, bn_mode, batch, opt="sgd"):
+    world, model, plan, tx, state = setup(world_spec, len(batch["label"]), bn_mode, opt=opt)
+    host0 = to_host(state)
+    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, bn_mode),
+                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    new_state, metrics = step(state, jax.device_put(batch, world.sharded()))
+    return world, tx, host0, new_state, np.asarray(metrics)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "lars"])
+def test_sync_bn_8_devices_equals_one_device_on_global_batch(opt):
+    batch = random_batch(32)
+    _, tx, s0, s1, metrics = _run_one_step("all", "sync", batch, opt)
+    p_ref, bs_ref, _, loss_ref, _ = reference_step("resnet8", s0.params, s0.batch_stats,
+                                                    s0.opt_state, tx, batch)
+    assert max_rel(to_host(s1.params), p_ref) <= 1e-5
+    assert max_rel(to_host(s1.batch_stats), bs_ref) <= 1e-5
+    assert metrics[3] == 32 and metrics[4] == 1.0
+    assert abs(metrics[0] / metrics[3] - float(loss_ref)) <= 1e-5 * abs(float(loss_ref))
+
+
+def test_applied_gradient_is_global_mean():
+    """With plain SGD (no momentum history yet, no decay) the update is -lr * grad."""
+    batch = random_batch(32, seed=3)
+    world, model, plan, _, state = setup("all", 32, "sync")
+    import optax
+    tx = optax.sgd(1.0)
+    state = state.replace(opt_state=jax.jit(tx.init, out_shardings=world.replicated())(state.params))
+    s0 = to_host(state)
+    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "sync"),
+                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    s1, _ = step(state, jax.device_put(batch, world.sharded()))
+    applied = jax.tree_util.tree_map(lambda a, b: a - b, s0.params, to_host(s1.params))
+    *_, grads_ref = reference_step("resnet8", s0.params, s0.batch_stats, s0.opt_state, tx, batch)
+    ratio = [np.sum(a * g) / np.sum(g * g) for a, g in zip(jax.tree_util.tree_leaves(applied),
+                                                          jax.tree_util.tree_leaves(grads_ref))]
+    np.testing.assert_allclose(ratio, 1.0, rtol=1e-4)  # not 8x, not 1/8x
+    assert max_rel(applied, grads_ref) <= 1e-5
+
+
+def test_running_mode_replicas_hold_identical_stats():
+    batch = random_batch(32, seed=1)
+    _, _, s0, s1, _ = _run_one_step("all", "running", batch)
+    for leaf in jax.tree_util.tree_leaves(s1.batch_stats):
+        shards = [np.asarray(s.data).tobytes() for s in leaf.addressable_shards]
+        assert len(shards) == 8 and len(set(shards)) == 1
+    # and they moved away from the initial statistics
+    assert max_rel(to_host(s1.batch_stats), s0.batch_stats) > 1e-3
+
+
+def test_running_mode_stats_are_mean_of_local_updates():
+    """running = mean over replicas of each replica's local running-stat update."""
+    batch = random_batch(32, seed=2)
+    _, tx, s0, s1, _ = _run_one_step("0-3", "running", batch)
+    per_replica = [reference_step("resnet8", s0.params, s0.batch_stats, s0.opt_state, tx,
+                                  {k: v[8 * r:8 * r + 8] for k, v in batch.items()})[1]
+                   for r in range(4)]
+    want = jax.tree_util.tree_map(lambda *xs: np.mean(np.stack(xs), 0), *per_replica)
+    assert max_rel(to_host(s1.batch_stats), want) <= 1e-5
+
+
+def test_local_mode_replicas_diverge():
+    batch = random_batch(32, seed=4)
+    _, _, _, s1, _ = _run_one_step("all", "local", batch)
+    leaf = np.asarray(jax.tree_util.tree_leaves(s1.batch_stats)[0])
+    assert leaf.shape[0] == 8 and not np.allclose(leaf[0], leaf[1])
+
+
+def test_replicas_start_identical_and_from_rank0():
+    world, model, plan, tx, state = setup("all", 32, "sync")
+    steps.check_replicas_identical(state.params)
+    # rank 0's init key is split(key, 8)[0]: the broadcast must deliver exactly that init
+    key0 = jax.random.split(jax.random.key(0), 8)[0]
+    v = model.init(key0, jnp.zeros((1, 8, 8, 1)), train=False)
+    assert max_rel(to_host(state.params), to_host(v["params"])) == 0.0
+    key1 = jax.random.split(jax.random.key(0), 8)[1]
+    v1 = model.init(key1, jnp.zeros((1, 8, 8, 1)), train=False)
+    assert max_rel(to_host(state.params), to_host(v1["params"])) > 0.0
+
+
+def test_compiled_step_rejects_other_shapes():
+    batch = random_batch(32)
+    world, model, plan, tx, state = setup("all", 32, "sync")
+    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "sync"),
+                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    small = jax.device_put(random_batch(16), world.sharded())
+    with pytest.raises(TypeError, match=r"\['image'\] is \(16, 8, 8, 1\) float32 but the step was compiled for \(32, 8, 8, 1\)"):
+        step(state, small)
+    bad = dict(jax.device_put(batch, world.sharded()))
+    bad["label"] = bad["label"].astype(jnp.float32)
+    with pytest.raises(TypeError, match=r"\['label'\] is \(32,\) float32 .* \(32,\) int32"):
+        step(state, bad)
+    assert step.calls == 0

@@ -1,0 +1,128 @@
+"""The explicit collectives of data-parallel training, as pure functions.
+
+Everything here runs inside ``jax.shard_map`` over the data axis; each
+``lax.psum`` is one all-reduce, which XLA lowers to NCCL on GPUs (and to its
+own in-process or gloo implementation on CPU).
+
+* :func:`allreduce_buckets` -- the gradient sync: ONE all-reduce per bucket,
+  ``deep`` first, ``first`` second (the seed's DEEP_COMM / FIRST_COMM).
+* :func:`allreduce_batch_stats` -- the seed's STATS_COMM: the mean of every
+  replica's BN running statistics, as one buffer.
+* :func:`broadcast_from_rank0` -- every replica takes rank 0's bits.
+* :func:`allreduce_sums` -- exact global sums of metric accumulators.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from trjax.plan import BUCKETS
+
+
+def after(x: jax.Array, done: jax.Array) -> jax.Array:
+    """Returns ``x`` unchanged, bit for bit, but data-dependent on ``done``.
+
+    XLA's all-reduce combiner (``cpu-all-reduce-combiner`` on CPU; on GPU the
+    combiner steered by ``--xla_gpu_all_reduce_combine_threshold_bytes``)
+    merges *independent* all-reduces into one, which would erase the buckets;
+    ``lax.optimization_barrier`` does not stop it. A data dependency does: this
+    adds ``-0.0`` computed from one element of ``done`` (``-(|d| * 0)`` with
+    ``d`` made finite first, so a NaN or Inf in ``done`` cannot leak into
+    ``x``). ``v + (-0.0) == v`` bitwise for every float ``v``, NaN included.
+    """
+    d = done.reshape(-1)[0]
+    d = jnp.where(jnp.isfinite(d), d, jnp.zeros_like(d))
+    return x + (-(jnp.abs(d) * 0)).astype(x.dtype)
+
+
+def allreduce_buckets(buffers: Mapping[str, jax.Array], axis_name: str) -> dict[str, jax.Array]:
+    """Sums each bucket buffer over the data axis with one all-reduce per bucket.
+
+    The buckets are reduced in ``BUCKETS`` order; each bucket's input is made
+    to depend on the previous bucket's result with :func:`after`, so XLA keeps
+    exactly one all-reduce per bucket, in that order. The deep bucket's
+    all-reduce depends only on the deep-conv gradients and the metrics, so it
+    can run while the first layer's backward is still computing.
+
+    Args:
+      buffers: ``{bucket: [n_bucket] float32}``, per-device partial sums.
+      axis_name: the data axis.
+
+    Returns:
+      ``{bucket: [n_bucket]}``: the sums over all devices (NOT divided by the
+      world size: the caller applies ``1/global_count`` exactly once, fused
+      into the optimizer update).
+    """
+    out: dict[str, jax.Array] = {}
+    previous = None
+    for name in BUCKETS:
+        x = buffers[name]
+        if previous is not None:
+            x = after(x, previous)
+        out[name] = previous = lax.psum(x, axis_name)
+    return out
+
+
+def allreduce_batch_stats(stats_buffer: jax.Array, axis_name: str, done: jax.Array | None = None):
+    """Mean of the BN running statistics over replicas, in one all-reduce.
+
+    Args:
+      stats_buffer: ``[n_stats] float32``, every BN's running mean and var
+        laid out by :meth:`trjax.plan.MemoryPlan.pack_stats`.
+      axis_name: the data axis.
+      done: optional array the reduction must follow (the last gradient
+        bucket), so the combiner cannot fold it into a gradient all-reduce.
+
+    Returns:
+      ``[n_stats]``: ``sum over replicas / world_size``, bitwise identical on
+      every replica.
+    """
+    if done is not None:
+        stats_buffer = after(stats_buffer, done)
+    n = lax.psum(1, axis_name)
+    return lax.psum(stats_buffer, axis_name) * (1.0 / n)
+
+
+def broadcast_from_rank0(tree, axis_name: str):
+    """Every replica receives rank 0's values, bit for bit.
+
+    Implemented as one all-reduce of the raw bits: rank 0 contributes its
+    values reinterpreted as unsigned integers, every other rank zeros, so the
+    integer sum is exactly rank 0's bits (NaNs and signed zeros included).
+    This is the seed's ``broadcast_from_rank0`` (``ncclBroadcast`` with root
+    0) expressed with ``psum``.
+
+    Args:
+      tree: pytree of per-device (varying) arrays of 16/32/64-bit dtypes.
+      axis_name: the data axis.
+
+    Returns:
+      The same pytree, replicated (invariant) and equal to rank 0's input.
+    """
+    is_root = lax.axis_index(axis_name) == 0
+    uint = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    if {x.dtype.itemsize for x in leaves} - set(uint):
+        raise ValueError("broadcast_from_rank0 handles 16/32/64-bit leaves only")
+    out = list(leaves)
+    for itemsize, udtype in uint.items():  # one all-reduce per element width
+        idx = [i for i, x in enumerate(leaves) if x.dtype.itemsize == itemsize]
+        if not idx:
+            continue
+        bits = jnp.concatenate([lax.bitcast_convert_type(leaves[i], udtype).ravel() for i in idx])
+        bits = lax.psum(jnp.where(is_root, bits, jnp.zeros_like(bits)), axis_name)
+        offset = 0
+        for i in idx:
+            x = leaves[i]
+            out[i] = lax.bitcast_convert_type(bits[offset:offset + x.size].reshape(x.shape), x.dtype)
+            offset += x.size
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def allreduce_sums(x: jax.Array, axis_name: str) -> jax.Array:
+    """Exact global sums of per-device accumulators (one all-reduce)."""
+    return lax.psum(x, axis_name)

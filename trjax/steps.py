@@ -1,0 +1,342 @@
+"""The train and eval steps: pure per-device functions, shard_mapped and compiled.
+
+Per device, one train step is (the seed's graph order):
+
+1. forward + backward on the local batch (loss = SUM of per-example losses
+   over real examples; padding rows carry mask 0);
+2. pack the gradients into the two bucket buffers of the MemoryPlan, with the
+   metric sums (loss, top-1, top-5, count) at the end of the deep bucket;
+3. all-reduce ``deep``, then ``first`` (one collective each);
+4. ``1/global_count`` applied once, inside the optimizer update's fusion: the
+   gradient is the mean over every real example of the global batch;
+5. a non-finite reduced gradient skips the update on every replica (all see
+   the same reduced values, so they agree without another collective);
+6. ``running`` BN mode: one all-reduce of the running statistics (STATS_COMM).
+
+Autodiff inside ``shard_map`` (``check_vma=True``) sums the gradient of a
+replicated (invariant) parameter over devices by itself; the parameters are
+therefore cast to *varying* before differentiation, so each device gets only
+its own partial gradient and the bucket all-reduces are the only gradient
+collectives.
+
+The steps are compiled ahead of time (:func:`compile_step`) with the train
+state donated; :class:`CompiledStep` refuses arguments whose shape, dtype or
+sharding differ from the compiled ones instead of recompiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from trjax import collectives
+from trjax.plan import METRICS, MemoryPlan, make_plan
+from trjax.regions import assign_regions
+from trjax.world import DATA_AXIS, World
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Everything a train step reads and writes.
+
+    ``batch_stats`` leaves are ``[C]`` (replicated) in ``sync``/``running``
+    BN mode and ``[world_size, C]`` (one row per replica) in ``local`` mode.
+    ``skipped_steps`` counts updates skipped for non-finite gradients.
+    """
+    step: jax.Array
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+    skipped_steps: jax.Array
+
+
+def state_specs(bn_mode: str) -> TrainState:
+    """shard_map partition specs of a :class:`TrainState` (a pytree prefix)."""
+    return TrainState(step=P(), params=P(), opt_state=P(), skipped_steps=P(),
+                      batch_stats=P(DATA_AXIS) if bn_mode == "local" else P())
+
+
+BATCH_SPEC = {"image": P(DATA_AXIS), "label": P(DATA_AXIS), "mask": P(DATA_AXIS)}
+
+
+def batch_metrics(logits, labels, mask):
+    """Per-batch sums over real rows: ``[loss_sum, top1, top5, count]`` float32.
+
+    Args:
+      logits: ``[B, K]`` float32; labels: ``[B]`` int32; mask: ``[B]`` float32.
+
+    top-k counts an example as correct when fewer than k logits are strictly
+    greater than the true class's logit (k = min(5, K) for top-5).
+    """
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    true_logit = jnp.take_along_axis(logits, labels[:, None], axis=1)
+    rank = jnp.sum(logits > true_logit, axis=1)
+    k5 = min(5, logits.shape[1])
+    return jnp.stack([jnp.sum(losses * mask), jnp.sum((rank < 1) * mask),
+                      jnp.sum((rank < k5) * mask), jnp.sum(mask)]).astype(jnp.float32)
+
+
+# --------------------------------------------------------------------------
+# initialisation
+# --------------------------------------------------------------------------
+
+def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
+                       world: World, image_shape: tuple, bn_mode: str) -> TrainState:
+    """Initialises on every replica, then broadcasts rank 0's parameters.
+
+    Each replica runs ``model.init`` with its own key (as independent DDP
+    processes would); :func:`trjax.collectives.broadcast_from_rank0` then
+    gives every replica rank 0's bits, and :func:`check_replicas_identical`
+    verifies it.
+
+    Args:
+      rng: PRNG key.
+      model: the network (its ``axis_name`` is the data axis).
+      tx: the optimizer.
+      world: devices and mesh.
+      image_shape: ``(H, W, C)`` of one example.
+      bn_mode: ``sync``, ``running`` or ``local``.
+
+    Returns:
+      A :class:`TrainState` laid out as :func:`state_specs` says.
+    """
+    n = world.world_size
+    keys = jax.device_put(jax.random.split(rng, n), world.sharded())
+
+    def init_local(key):
+        x = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
+        variables = model.init(key[0], x, train=False)
+        variables = collectives.broadcast_from_rank0(variables, DATA_AXIS)
+        return variables["params"], variables["batch_stats"]
+
+    init = jax.jit(jax.shard_map(init_local, mesh=world.mesh, in_specs=P(DATA_AXIS),
+                                 out_specs=(P(), P())))
+    params, batch_stats = init(keys)
+    if bn_mode == "local":
+        batch_stats = jax.tree_util.tree_map(
+            lambda x: jax.device_put(np.broadcast_to(np.asarray(x), (n,) + x.shape),
+                                     world.sharded()), batch_stats)
+    opt_state = jax.jit(tx.init, out_shardings=world.replicated())(params)
+    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), world.replicated()),
+                       params=params, batch_stats=batch_stats, opt_state=opt_state,
+                       skipped_steps=jax.device_put(jnp.zeros((), jnp.int32), world.replicated()))
+    check_replicas_identical(state.params)
+    return state
+
+
+def check_replicas_identical(tree) -> None:
+    """Raises ``RuntimeError`` unless every device's copy of each replicated
+    leaf is bitwise equal to device 0's (a host-side check, used at start-up)."""
+    for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        shards = [np.asarray(s.data) for s in x.addressable_shards]
+        ref = shards[0].tobytes()
+        for i, s in enumerate(shards[1:], 1):
+            if s.tobytes() != ref:
+                raise RuntimeError(f"replica {i} differs from rank 0 at {jax.tree_util.keystr(path)}")
+
+
+def build_plan(model: nn.Module, image_shape: tuple) -> MemoryPlan:
+    """The MemoryPlan of ``model``, from abstract shapes only (no compute)."""
+    x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape), train=False))
+    regions = assign_regions(model, variables, x)
+    return make_plan(variables["params"], variables["batch_stats"], regions)
+
+
+# --------------------------------------------------------------------------
+# the steps
+# --------------------------------------------------------------------------
+
+def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: MemoryPlan,
+                    world: World, bn_mode: str) -> Callable:
+    """Returns ``train_step(state, batch) -> (state, metrics)`` over ``world``.
+
+    Args (of the returned function, global view):
+      state: :class:`TrainState`.
+      batch: ``{"image": [G, H, W, C] float, "label": [G] int32,
+        "mask": [G] float32}`` sharded over the data axis, G the global batch.
+
+    Returns:
+      The new state and ``metrics [5] float32``: global ``loss_sum,
+      top1_correct, top5_correct, count`` of this step's batch, then
+      ``finite`` (1.0, or 0.0 when the update was skipped).
+    """
+    axis = DATA_AXIS
+
+    def local_step(state: TrainState, batch):
+        bs = state.batch_stats
+        if bn_mode == "local":
+            bs = jax.tree_util.tree_map(lambda x: x[0], bs)
+        params_v = lax.pcast(state.params, axis, to="varying")
+
+        def loss_fn(params):
+            logits, new_vars = model.apply({"params": params, "batch_stats": bs}, batch["image"],
+                                           train=True, mask=batch["mask"], mutable=["batch_stats"])
+            metrics = batch_metrics(logits, batch["label"], batch["mask"])
+            return metrics[0], (metrics, new_vars["batch_stats"])
+
+        (_, (metrics, new_bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_v)
+        buffers = plan.pack(grads, lax.stop_gradient(metrics))
+        reduced = collectives.allreduce_buckets(buffers, axis)
+        grads, metrics = plan.unpack(reduced)
+        finite = jnp.isfinite(jnp.sum(reduced["deep"]) + jnp.sum(reduced["first"]))
+        inv_count = 1.0 / jnp.maximum(metrics[3], 1.0)
+        grads = jax.tree_util.tree_map(lambda g: g * inv_count, grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
+
+        if bn_mode == "running":
+            stats = collectives.allreduce_batch_stats(plan.pack_stats(new_bs), axis,
+                                                      done=reduced["first"])
+            new_bs = plan.unpack_stats(stats)
+        elif bn_mode == "local":
+            new_bs = jax.tree_util.tree_map(lambda x: x[None], new_bs)
+
+        keep = lambda new, old: jax.tree_util.tree_map(
+            lambda a, b: jnp.where(finite, a, b), new, old)
+        new_state = TrainState(
+            step=state.step + 1,
+            params=keep(params, state.params),
+            batch_stats=keep(new_bs, state.batch_stats),
+            opt_state=keep(opt_state, state.opt_state),
+            skipped_steps=state.skipped_steps + (1 - finite.astype(jnp.int32)))
+        return new_state, jnp.concatenate([metrics, finite.astype(jnp.float32)[None]])
+
+    return jax.shard_map(local_step, mesh=world.mesh,
+                         in_specs=(state_specs(bn_mode), BATCH_SPEC),
+                         out_specs=(state_specs(bn_mode), P()))
+
+
+def make_eval_step(model: nn.Module, world: World, bn_mode: str) -> Callable:
+    """Returns ``eval_step(state, batch, acc) -> acc``: no collective.
+
+    ``acc`` is ``[world_size, 4] float32`` sharded over the data axis: each
+    device adds its batch's ``loss_sum, top1, top5, count`` to its own row.
+    :func:`make_eval_reduce` turns it into exact global values once per pass
+    (the seed's VAL_RESULT_COMM).
+    """
+    def local_eval(state: TrainState, batch, acc):
+        bs = state.batch_stats
+        if bn_mode == "local":
+            bs = jax.tree_util.tree_map(lambda x: x[0], bs)
+        logits = model.apply({"params": state.params, "batch_stats": bs}, batch["image"],
+                             train=False)
+        return acc + batch_metrics(logits, batch["label"], batch["mask"])[None]
+
+    return jax.shard_map(local_eval, mesh=world.mesh,
+                         in_specs=(state_specs(bn_mode), BATCH_SPEC, P(DATA_AXIS)),
+                         out_specs=P(DATA_AXIS))
+
+
+def make_eval_reduce(world: World) -> Callable:
+    """Returns ``reduce(acc [N, 4]) -> [4]``: the one all-reduce of a validation
+    pass, giving global ``loss_sum, top1, top5, count``."""
+    return jax.shard_map(lambda acc: collectives.allreduce_sums(acc[0], DATA_AXIS),
+                         mesh=world.mesh, in_specs=P(DATA_AXIS), out_specs=P())
+
+
+# --------------------------------------------------------------------------
+# compile step
+# --------------------------------------------------------------------------
+
+def abstract(tree):
+    """``jax.ShapeDtypeStruct`` (with sharding) of every leaf of ``tree``."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
+        tree)
+
+
+def _spec_str(a) -> str:
+    return f"{tuple(a.shape)} {np.dtype(a.dtype).name}"
+
+
+class CompiledStep:
+    """An ahead-of-time compiled step that never recompiles.
+
+    Calling it checks every argument leaf's shape, dtype and sharding against
+    the compiled signature and raises ``TypeError`` naming the leaf and both
+    signatures on a mismatch (XLA's own check skips arguments it eliminated).
+
+    Attributes:
+      name: for messages and counts.
+      compiled: the ``jax.stages.Compiled``.
+      compile_s: wall seconds spent lowering + compiling.
+      calls: number of calls.
+    """
+
+    def __init__(self, name: str, compiled, signature, compile_s: float):
+        self.name = name
+        self.compiled = compiled
+        self.signature = signature
+        self.compile_s = compile_s
+        self.calls = 0
+        self._paths = [jax.tree_util.keystr(p) for p, _ in
+                       jax.tree_util.tree_flatten_with_path(signature)[0]]
+        self._leaves, self._treedef = jax.tree_util.tree_flatten(signature)
+
+    def check(self, *args) -> None:
+        leaves, treedef = jax.tree_util.tree_flatten(args)
+        if treedef != self._treedef:
+            raise TypeError(f"{self.name}: argument structure {treedef} differs from the compiled "
+                            f"one {self._treedef}")
+        for path, want, got in zip(self._paths, self._leaves, leaves):
+            if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
+                raise TypeError(f"{self.name}: argument {path} is {_spec_str(got)} but the step "
+                                f"was compiled for {_spec_str(want)}; build batches of the "
+                                "compiled shape (pad the last one with mask 0)")
+            sharding = getattr(got, "sharding", None)
+            if want.sharding is not None and sharding is not None and \
+                    not sharding.is_equivalent_to(want.sharding, len(want.shape)):
+                raise TypeError(f"{self.name}: argument {path} has sharding {sharding} but the step "
+                                f"was compiled for {want.sharding}; use jax.device_put with the "
+                                "world's sharding")
+
+    def __call__(self, *args):
+        self.check(*args)
+        self.calls += 1
+        return self.compiled(*args)
+
+    def memory(self) -> dict[str, int]:
+        """The compiled executable's memory statistics, in bytes."""
+        m = self.compiled.memory_analysis()
+        if m is None:
+            return {}
+        return {"argument": int(m.argument_size_in_bytes), "output": int(m.output_size_in_bytes),
+                "alias": int(m.alias_size_in_bytes), "temp": int(m.temp_size_in_bytes),
+                "peak": int(getattr(m, "peak_memory_in_bytes", 0) or
+                            m.argument_size_in_bytes + m.output_size_in_bytes
+                            - m.alias_size_in_bytes + m.temp_size_in_bytes)}
+
+    def cost(self) -> dict[str, float]:
+        """XLA's cost analysis (flops, bytes accessed) of one call, if available."""
+        c = self.compiled.cost_analysis()
+        if isinstance(c, (list, tuple)):
+            c = c[0] if c else {}
+        return {k: float(v) for k, v in (c or {}).items() if k in ("flops", "bytes accessed")}
+
+    def hlo_text(self) -> str:
+        """The compiled (post-optimisation) HLO."""
+        return self.compiled.as_text()
+
+
+def compile_step(name: str, fn: Callable, *example_args, donate_argnums=()) -> CompiledStep:
+    """Lowers and compiles ``fn`` for the shapes/shardings of ``example_args``.
+
+    ``example_args`` may be arrays or ``jax.ShapeDtypeStruct`` with sharding;
+    nothing is executed. Arguments in ``donate_argnums`` are donated: their
+    buffers are reused for the outputs, so the caller must not use them again.
+    """
+    sig = abstract(example_args)
+    t0 = time.perf_counter()
+    compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*sig).compile()
+    return CompiledStep(name, compiled, sig, time.perf_counter() - t0)
