@@ -15,7 +15,8 @@ One module, three modes (``BN_MODES``):
   own running statistics.
 
 Statistics are accumulated in float32 whatever the compute dtype. Rows with
-mask 0 (padding) contribute nothing to the statistics. The running variance
+mask 0 (padding) contribute nothing to the statistics, and leave the layer as
+zeros (so they stay finite even on a device that holds only padding). The running variance
 is the biased (population) variance of the batch, as in flax.
 """
 
@@ -121,4 +122,9 @@ class BatchNorm(nn.Module):
 
         a = scale * lax.rsqrt(var + self.epsilon)
         b = bias - mean * a
-        return (x * a.astype(self.dtype) + b.astype(self.dtype)).astype(self.dtype)
+        y = (x * a.astype(self.dtype) + b.astype(self.dtype)).astype(self.dtype)
+        if m is not None:
+            # Padding rows leave every BN as exact zeros: they cannot grow without
+            # bound through layers normalised by other rows' (or no rows') statistics.
+            y = jnp.where(m > 0, y, jnp.zeros((), self.dtype))
+        return y

@@ -1,0 +1,71 @@
+"""The communication report of a config: what the compiled steps really send."""
+
+from __future__ import annotations
+
+from trjax import comm
+from trjax.regions import Region
+
+
+def comm_report(config) -> dict:
+    """Compiles the steps of ``config`` (see :func:`trjax.train.setup`) and
+    reports their collectives, the plan's buckets and the traffic model.
+
+    Returns:
+      A JSON-ready dict: ``world_size``, ``bn_mode``, ``buckets``,
+      ``train_step`` / ``eval_step`` / ``eval_reduce`` collectives,
+      ``gradient_all_reduces`` (count), ``deep_before_first_conv_wgrad``,
+      ``traffic_per_rank_bytes`` (ring model).
+    """
+    from trjax.train import setup
+    tr = setup(config)
+    plan, n = tr.plan, tr.world.world_size
+    labels = {plan.bucket_sizes["deep"]: "bucket:deep (deep convs + metrics)",
+              plan.bucket_sizes["first"]: "bucket:first (first conv + BN + FC)",
+              sum(s for _, s, _ in plan.stats_slots.values()): "bn:running statistics",
+              4: "metrics:validation sums"}
+    for _, size, shape in plan.stats_slots.values():
+        labels.setdefault(2 * shape[0] + 1, "bn:sync batch statistics")
+    out = {"world_size": n, "bn_mode": config.bn_mode, "model": config.model,
+           "buckets": {b: {"elements": e, "bytes": plan.bucket_bytes(b),
+                           "ring_traffic_per_rank_bytes": comm.ring_traffic_bytes(plan.bucket_bytes(b), n)}
+                       for b, e in plan.bucket_sizes.items()}}
+    for step in tr.compiled:
+        text = step.hlo_text()
+        cols = comm.label_collectives(comm.collectives_in_hlo(text), labels)
+        out[step.name] = {"collectives": cols, "count": len(cols)}
+        if step.name == "train_step":
+            grads = [c for c in cols if any(l.startswith("bucket:") for l in c["carries"])]
+            out["gradient_all_reduces"] = len(grads)
+            first = plan.slots[[s.region for s in plan.slots].index(Region.FIRST_CONV)]
+            wgrad = comm.conv_positions(text, first.shape)
+            deep = [c["position"] for c in grads if "bucket:deep (deep convs + metrics)" in c["carries"]]
+            out["first_conv_wgrad_positions"] = wgrad
+            out["deep_before_first_conv_wgrad"] = bool(deep and wgrad and max(deep) < min(wgrad))
+            out["bucket_elements_match_plan"] = sorted(c["elements"] for c in grads
+                                                       if len(c["operands"]) == 1) == \
+                sorted(plan.bucket_sizes.values())
+    grad_bytes = sum(plan.bucket_bytes(b) for b in plan.bucket_sizes)
+    out["traffic_per_rank_bytes"] = {"gradients": comm.ring_traffic_bytes(grad_bytes, n),
+                                     "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes}
+    out["memory_plan"] = plan.describe()
+    return out
+
+
+def format_report(r: dict) -> str:
+    """A human-readable table of :func:`comm_report`'s result."""
+    lines = [f"world_size={r['world_size']} model={r['model']} bn_mode={r['bn_mode']}"]
+    for b, v in r["buckets"].items():
+        lines.append(f"  bucket {b:6s} {v['elements']:>10d} elements {v['bytes']:>11d} B  "
+                     f"ring traffic/rank {v['ring_traffic_per_rank_bytes']:.0f} B")
+    for name in ("train_step", "eval_step", "eval_reduce"):
+        lines.append(f"{name}: {r[name]['count']} collective(s)")
+        for c in r[name]["collectives"]:
+            lines.append(f"  #{c['position']:<5d} {c['kind']:12s} {c['elements']:>10d} el "
+                         f"{c['bytes']:>11d} B  {' + '.join(c['carries'])}")
+    lines.append(f"gradient all-reduces: {r['gradient_all_reduces']}; deep bucket before the "
+                 f"first conv's weight gradient: {r['deep_before_first_conv_wgrad']} "
+                 f"(wgrad at {r['first_conv_wgrad_positions']})")
+    t = r["traffic_per_rank_bytes"]
+    lines.append(f"ring model: {t['formula']} = {t['gradients']:.0f} B per rank per step "
+                 f"(|g| = {t['g_bytes']} B)")
+    return "\n".join(lines)

@@ -1,0 +1,247 @@
+"""The training loop: config -> world -> data -> model and plan -> compiled steps -> epochs.
+
+``train_and_evaluate(config, workdir)`` is the whole job (the Flax ImageNet
+example's shape). It is the only place with side effects: it prints one log
+line per epoch and writes ``workdir/metrics.jsonl`` (one JSON line per epoch)
+and ``workdir/summary.json``.
+
+The host never runs ahead of the devices by more than ``config.metrics_lag``
+steps: after dispatching step t it reads step t-lag's metrics (already
+computed, a few bytes). This keeps the device busy and bounds the queue of
+collectives (dispatching ~50 unawaited steps deadlocks XLA's CPU rendezvous).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from trjax import input_pipeline, models, optim, steps
+from trjax.batchnorm import BN_MODES
+from trjax.world import check_batch_split, make_world
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def count_backend_compiles():
+    """Counts XLA backend compilations inside the ``with`` block (a list of one int)."""
+    count = [0]
+
+    def listener(event, duration, **kwargs):
+        if event == BACKEND_COMPILE_EVENT:
+            count[0] += 1
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield count
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def validate_config(config: ml_collections.ConfigDict) -> None:
+    """Checks choices and ranges before anything is traced.
+
+    Raises:
+      ValueError: naming the field, its value and the valid choices.
+    """
+    choices = {"bn_mode": BN_MODES, "optimizer": optim.OPTIMIZERS, "model": tuple(models.MODELS),
+               "dataset": tuple(input_pipeline.DATASETS),
+               "train_remainder": input_pipeline.REMAINDERS}
+    for field, valid in choices.items():
+        if config[field] not in valid:
+            raise ValueError(f"config.{field}={config[field]!r} is not one of {sorted(valid)}")
+    for field in ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_lag"):
+        v = config[field]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"config.{field}={v!r} must be a positive int")
+    if not config.learning_rate > 0:
+        raise ValueError(f"config.learning_rate={config.learning_rate!r} must be > 0")
+
+
+def _rates(sums: np.ndarray) -> dict:
+    loss, top1, top5, count = (float(v) for v in sums[:4])
+    count = max(count, 1.0)
+    return {"loss": loss / count, "top1": top1 / count, "top5": top5 / count}
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything built before the first step: the output of :func:`setup`."""
+    config: Any
+    world: Any
+    data: Any
+    model: Any
+    plan: Any
+    schedule: Any
+    state: Any
+    train_step: steps.CompiledStep
+    eval_step: steps.CompiledStep
+    eval_reduce: steps.CompiledStep
+    steps_per_epoch: int
+
+    @property
+    def compiled(self):
+        return (self.train_step, self.eval_step, self.eval_reduce)
+
+
+def setup(config: ml_collections.ConfigDict) -> Trainer:
+    """Config -> world -> data -> model and plan -> state -> compiled steps.
+
+    Every check on the config, the device spec and the batch split runs before
+    anything is traced. The three steps are compiled here, once, with the
+    train state donated; the plan then carries the train step's memory
+    statistics.
+
+    Raises:
+      ValueError: an invalid config, device spec or batch split.
+    """
+    validate_config(config)
+    world = make_world(config.devices, config.global_batch_size)
+    check_batch_split(config.eval_batch_size, world.world_size)
+    data = input_pipeline.load_dataset(config.dataset)
+
+    model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
+                                axis_name=world.axis_name, bn_momentum=config.bn_momentum)
+    plan = steps.build_plan(model, data.image_shape)
+    train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
+                                                 config.train_remainder)
+    total_steps = train_steps * config.num_epochs
+    schedule = optim.learning_rate_schedule(config.learning_rate,
+                                            config.warmup_epochs * train_steps, total_steps)
+    tx = optim.make_optimizer(config.optimizer, schedule, None, plan, momentum=config.momentum,
+                              weight_decay=config.weight_decay, nesterov=config.nesterov,
+                              trust_coefficient=config.trust_coefficient)
+    state = steps.create_train_state(jax.random.key(config.seed), model, tx, world,
+                                     data.image_shape, config.bn_mode)
+
+    def example(n):
+        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape, np.float32,
+                                              sharding=world.sharded()),
+                "label": jax.ShapeDtypeStruct((n,), np.int32, sharding=world.sharded()),
+                "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
+    acc_shape = jax.ShapeDtypeStruct((world.world_size, 4), np.float32, sharding=world.sharded())
+    train_step = steps.compile_step(
+        "train_step", steps.make_train_step(model, tx, plan, world, config.bn_mode),
+        state, example(world.global_batch_size), donate_argnums=0)
+    eval_step = steps.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
+                                   state, example(config.eval_batch_size), acc_shape,
+                                   donate_argnums=2)
+    eval_reduce = steps.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
+    plan = plan.with_memory(train_step.memory())
+    return Trainer(config, world, data, model, plan, schedule, state, train_step, eval_step,
+                   eval_reduce, train_steps)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+    """Trains and evaluates; returns the summary (also written to ``summary.json``).
+
+    Raises:
+      ValueError: an invalid config, device spec or batch split (before any
+        compilation).
+      FloatingPointError: a skipped non-finite step when
+        ``config.halt_on_nonfinite``.
+    """
+    t_start = time.perf_counter()
+    tr = setup(config)
+    world, data, plan, schedule, state = tr.world, tr.data, tr.plan, tr.schedule, tr.state
+    train_step, eval_step, eval_reduce = tr.compiled
+    compiled, train_steps = tr.compiled, tr.steps_per_epoch
+    total_steps = train_steps * config.num_epochs
+    os.makedirs(workdir, exist_ok=True)
+    print(f"world_size={world.world_size} devices={[d.id for d in world.devices]} "
+          f"({world.devices[0].platform}) global_batch={world.global_batch_size} "
+          f"local_batch={world.local_batch_size} bn_mode={config.bn_mode}")
+    print("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
+                                  for b, n in plan.bucket_sizes.items()) +
+          f"; compile {sum(c.compile_s for c in compiled):.1f}s")
+
+    def evaluate(state) -> dict:
+        acc = jax.device_put(np.zeros((world.world_size, 4), np.float32), world.sharded())
+        for batch in input_pipeline.iterate_batches(data.val, config.eval_batch_size,
+                                                    shuffle=False):
+            acc = eval_step(state, input_pipeline.to_device(batch, world.sharded(),
+                                                            data.num_classes), acc)
+        sums = np.asarray(eval_reduce(acc))
+        return {**_rates(sums), "count": int(sums[3])}
+
+    # learning rate per step, for the log (evaluated once: no op compiled in the loop)
+    lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
+    history = []
+    metrics_path = os.path.join(workdir, "metrics.jsonl")
+    train_time, train_images, skipped = 0.0, 0, 0
+    with open(metrics_path, "w") as log, count_backend_compiles() as loop_compiles:
+        for epoch in range(1, config.num_epochs + 1):
+            t0 = time.perf_counter()
+            sums = np.zeros(4)
+            pending: collections.deque = collections.deque()
+            batches = input_pipeline.iterate_batches(data.train, world.global_batch_size,
+                                                     shuffle=True, seed=config.seed, epoch=epoch,
+                                                     remainder=config.train_remainder)
+            step_index = (epoch - 1) * train_steps
+
+            def drain(limit):
+                nonlocal sums, skipped
+                while len(pending) > limit:
+                    i, m = pending.popleft()
+                    m = np.asarray(m)
+                    sums += m[:4]
+                    if m[4] == 0.0:
+                        skipped += 1
+                        msg = f"step {i}: non-finite gradient, update skipped on every replica"
+                        if config.halt_on_nonfinite:
+                            raise FloatingPointError(msg + " (config.halt_on_nonfinite=True)")
+                        print(msg)
+
+            for batch in batches:
+                step_index += 1
+                state, m = train_step(state, input_pipeline.to_device(
+                    batch, world.sharded(), data.num_classes))
+                pending.append((step_index, m))
+                drain(config.metrics_lag)
+            drain(0)
+            epoch_s = time.perf_counter() - t0
+            train_time += epoch_s
+            train_images += int(sums[3])
+            val = evaluate(state)
+            row = {"epoch": epoch, "step": step_index,
+                   **{f"train_{k}": v for k, v in _rates(sums).items()},
+                   **{f"val_{k}": v for k, v in val.items() if k != "count"},
+                   "images_per_s": sums[3] / epoch_s, "epoch_s": epoch_s,
+                   "lr": float(lr_table[step_index])}
+            history.append(row)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            print(f"epoch {epoch:3d}  train loss {row['train_loss']:.4f} top1 {row['train_top1']:.4f}"
+                  f"  | val loss {row['val_loss']:.4f} top1 {row['val_top1']:.4f} "
+                  f"top5 {row['val_top5']:.4f}  | {row['images_per_s']:.0f} img/s")
+
+    final = history[-1]
+    summary = {
+        "val_top1": final["val_top1"], "val_top5": final["val_top5"], "val_loss": final["val_loss"],
+        "val_examples": val["count"],
+        "world_size": world.world_size, "global_batch_size": world.global_batch_size,
+        "local_batch_size": world.local_batch_size, "platform": world.devices[0].platform,
+        "bn_mode": config.bn_mode, "model": config.model, "dataset": config.dataset,
+        "epochs": config.num_epochs, "steps": int(np.asarray(state.step)),
+        "skipped_steps": int(np.asarray(state.skipped_steps)),
+        "train_images_per_s": train_images / train_time,
+        "compiles": {c.name: 1 for c in compiled},
+        "compiles_during_training": loop_compiles[0],
+        "compile_s": {c.name: round(c.compile_s, 3) for c in compiled},
+        "memory_plan": plan.describe(),
+        "wall_s": time.perf_counter() - t_start,
+    }
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    return summary
