@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -25,6 +25,7 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # jax's backend probing is not news
     import jax
     config = flags.FLAGS.config
     jax.config.update("jax_num_cpu_devices", int(config.cpu_devices))

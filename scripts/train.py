@@ -10,7 +10,7 @@ simulated so the data-parallel path always runs.
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -23,6 +23,7 @@ flags.mark_flags_as_required(["config", "workdir"])
 
 def main(argv):
     del argv
+    logging.set_verbosity(logging.WARNING)  # jax's backend probing is not news
     import jax
     config = flags.FLAGS.config
     # Only the CPU backend reads this; it must be set before any device is used.

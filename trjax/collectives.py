@@ -29,14 +29,17 @@ def after(x: jax.Array, done: jax.Array) -> jax.Array:
     XLA's all-reduce combiner (``cpu-all-reduce-combiner`` on CPU; on GPU the
     combiner steered by ``--xla_gpu_all_reduce_combine_threshold_bytes``)
     merges *independent* all-reduces into one, which would erase the buckets;
-    ``lax.optimization_barrier`` does not stop it. A data dependency does: this
-    adds ``-0.0`` computed from one element of ``done`` (``-(|d| * 0)`` with
-    ``d`` made finite first, so a NaN or Inf in ``done`` cannot leak into
-    ``x``). ``v + (-0.0) == v`` bitwise for every float ``v``, NaN included.
+    ``lax.optimization_barrier`` does not stop it. A data dependency does: the
+    bits of ``x`` get an unsigned integer ``min(bits(done[0]), 0)`` added,
+    which is always 0. Integer arithmetic cannot round, flush subnormals or
+    propagate NaN, so every bit of ``x`` survives (a float ``x + 0`` would
+    flush subnormals on CPU and turn NaN in ``done`` into NaN in ``x``).
     """
-    d = done.reshape(-1)[0]
-    d = jnp.where(jnp.isfinite(d), d, jnp.zeros_like(d))
-    return x + (-(jnp.abs(d) * 0)).astype(x.dtype)
+    width = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+    d = lax.bitcast_convert_type(done.reshape(-1)[:1], width[done.dtype.itemsize])
+    udtype = width[x.dtype.itemsize]
+    zero = jnp.minimum(d, 0).astype(udtype)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, udtype) + zero, x.dtype)
 
 
 def allreduce_buckets(buffers: Mapping[str, jax.Array], axis_name: str) -> dict[str, jax.Array]:

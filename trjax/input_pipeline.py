@@ -120,17 +120,17 @@ def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict
     if not np.issubdtype(labels.dtype, np.integer):
         if not np.all(np.equal(np.mod(labels[real], 1), 0)):
             pos = int(np.flatnonzero(real & (np.mod(labels, 1) != 0))[0])
-            raise ValueError(f"label {labels[pos]!r} at position {pos} is not an integer class id")
+            raise ValueError(f"label {labels[pos].item()!r} at position {pos} is not an integer class id")
     bad = real & ((labels < 0) | (labels >= num_classes))
     if bad.any():
         pos = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"label {labels[pos]!r} at position {pos} is outside [0, {num_classes}); "
+        raise ValueError(f"label {labels[pos].item()!r} at position {pos} is outside [0, {num_classes}); "
                          f"fix the data or set num_classes")
     if np.issubdtype(images.dtype, np.floating):
         nonfinite = real.reshape((-1,) + (1,) * (images.ndim - 1)) & ~np.isfinite(images)
         if nonfinite.any():
             pos = tuple(int(i) for i in np.argwhere(nonfinite)[0])
-            raise ValueError(f"image value {images[pos]!r} at position {pos} is not finite")
+            raise ValueError(f"image value {images[pos].item()!r} at position {pos} is not finite")
     host = {"image": images.astype(dtype), "label": labels.astype(np.int32),
             "mask": mask.astype(np.float32)}
     return jax.device_put(host, sharding)

@@ -94,8 +94,8 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
                        world: World, image_shape: tuple, bn_mode: str) -> TrainState:
     """Initialises on every replica, then broadcasts rank 0's parameters.
 
-    Each replica runs ``model.init`` with its own key (as independent DDP
-    processes would); :func:`trjax.collectives.broadcast_from_rank0` then
+    Each replica runs ``model.init`` with its own key ``fold_in(rng, rank)``
+    (as independent DDP processes would); :func:`trjax.collectives.broadcast_from_rank0` then
     gives every replica rank 0's bits, and :func:`check_replicas_identical`
     verifies it.
 
@@ -111,7 +111,10 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
       A :class:`TrainState` laid out as :func:`state_specs` says.
     """
     n = world.world_size
-    keys = jax.device_put(jax.random.split(rng, n), world.sharded())
+    # rank r initialises with fold_in(rng, r): rank 0's key, hence the broadcast
+    # parameters, do not depend on the world size.
+    keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(np.arange(n))
+    keys = jax.device_put(keys, world.sharded())
 
     def init_local(key):
         x = jnp.zeros((1,) + tuple(image_shape), jnp.float32)

@@ -1,0 +1,82 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from trjax import models, steps
+from trjax.plan import BUCKETS, METRICS
+from trjax.regions import Region, assign_regions
+
+
+def _variables(model, shape):
+    return jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((2,) + shape), train=False))
+
+
+@pytest.mark.parametrize("name,shape,n_convs,n_bn", [
+    ("resnet20", (32, 32, 3), 21, 21),   # stem + 18 block convs + 2 projections
+    ("resnet50", (64, 64, 3), 53, 53),   # stem + 48 bottleneck convs + 4 projections
+])
+def test_regions_from_the_tree(name, shape, n_convs, n_bn):
+    model = models.create_model(name, num_classes=10)
+    v = _variables(model, shape)
+    regions = assign_regions(model, v, jax.ShapeDtypeStruct((2,) + shape, jnp.float32))
+    count = lambda r: sum(1 for x in regions.values() if x == r)
+    assert [k for k, r in regions.items() if r == Region.FIRST_CONV] == ["params/stem_conv/kernel"]
+    assert count(Region.DEEP_CONV) == n_convs - 1
+    assert count(Region.BN_SCALE) == count(Region.BN_BIAS) == n_bn
+    assert count(Region.RUNNING_MEAN) == count(Region.RUNNING_VAR) == n_bn
+    assert [k for k, r in regions.items() if r == Region.FC_WEIGHT] == ["params/head/kernel"]
+    assert [k for k, r in regions.items() if r == Region.FC_BIAS] == ["params/head/bias"]
+    assert len(regions) == len(jax.tree_util.tree_leaves(v))
+
+
+def test_first_conv_is_found_by_call_order_not_name():
+    import flax.linen as nn
+    from trjax.batchnorm import BatchNorm
+
+    class Odd(nn.Module):  # the input conv is called "zzz", defined last
+        @nn.compact
+        def __call__(self, x, train=True, mask=None):
+            a = nn.Conv(4, (3, 3), name="zzz")
+            b = nn.Conv(4, (3, 3), name="aaa")
+            x = b(BatchNorm(name="bn")(a(x), train, mask))
+            return nn.Dense(3, name="fc")(x.mean((1, 2)))
+
+    m = Odd()
+    v = _variables(m, (8, 8, 1))
+    regions = assign_regions(m, v, jax.ShapeDtypeStruct((2, 8, 8, 1), jnp.float32))
+    assert regions["params/zzz/kernel"] == Region.FIRST_CONV
+    assert regions["params/aaa/kernel"] == Region.DEEP_CONV
+    assert regions["params/zzz/bias"] == Region.FIRST_CONV
+
+
+def test_plan_layout_and_roundtrip():
+    model = models.create_model("resnet8", num_classes=10)
+    plan = steps.build_plan(model, (8, 8, 1))
+    v = _variables(model, (8, 8, 1))
+    sizes = {b: 0 for b in BUCKETS}
+    for r in plan.regions:  # regions are contiguous and in seed order
+        assert r.offset == sizes[r.bucket]
+        sizes[r.bucket] += r.size
+        assert r.nbytes == 4 * r.size
+    assert sizes == dict(plan.bucket_sizes)
+    assert [r.region for r in plan.regions if r.bucket == "first"] == list(BUCKETS["first"])
+    assert plan.region(Region.RESULT).size == len(METRICS)
+    assert plan.region(Region.RESULT).offset + len(METRICS) == plan.bucket_sizes["deep"]
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(v["params"]))
+    assert plan.gradient_elements == n_params
+    assert sum(plan.bucket_sizes.values()) == n_params + len(METRICS)
+    # pack/unpack is the identity, each leaf lands at its slot
+    rng = np.random.default_rng(0)
+    grads = jax.tree_util.tree_map(lambda x: rng.normal(size=x.shape).astype(np.float32), v["params"])
+    metrics = np.arange(4, dtype=np.float32)
+    bufs = plan.pack(grads, metrics)
+    back, m = plan.unpack(bufs)
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(grads)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(m, metrics)
+    stem = plan.slots[[s.name for s in plan.slots].index("params/stem_conv/kernel")]
+    np.testing.assert_array_equal(bufs["first"][stem.offset:stem.offset + stem.size],
+                                  grads["stem_conv"]["kernel"].ravel())
+    # the plan is a pure function of the model: identical when rebuilt
+    assert steps.build_plan(model, (8, 8, 1)).describe() == plan.describe()

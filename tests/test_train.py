@@ -1,0 +1,109 @@
+"""The main job end to end (short), the eval reduction, the comm report, config errors."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
+import default as default_config  # noqa: E402
+
+from trjax import input_pipeline, steps  # noqa: E402
+from trjax.train import setup, train_and_evaluate  # noqa: E402
+
+
+def small_config(**overrides):
+    c = default_config.get_config()
+    c.model = "resnet8"
+    c.num_epochs = 2
+    for k, v in overrides.items():
+        c[k] = v
+    return c
+
+
+def test_main_job_short(tmp_path):
+    s = train_and_evaluate(small_config(), str(tmp_path))
+    on_disk = json.loads((tmp_path / "summary.json").read_text())
+    assert on_disk["val_top1"] == s["val_top1"]
+    for key in ("val_top1", "val_top5", "val_loss", "world_size", "global_batch_size", "epochs",
+                "steps", "train_images_per_s", "compiles", "wall_s"):
+        assert key in s
+    assert s["world_size"] == 8 and s["global_batch_size"] == 128 and s["epochs"] == 2
+    assert s["steps"] == 2 * 12  # 1437 train digits, batch 128, last batch padded
+    assert s["compiles"] == {"train_step": 1, "eval_step": 1, "eval_reduce": 1}
+    assert s["compiles_during_training"] == 0
+    assert s["val_examples"] == 360 and s["skipped_steps"] == 0
+    assert s["val_top1"] > 0.5  # two epochs already learn (chance is 0.1)
+    rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert rows[-1]["val_top1"] == s["val_top1"]
+
+
+def _eval_with_world(devices, params_from=None):
+    tr = setup(small_config(devices=devices, global_batch_size=8, eval_batch_size=64))
+    state = tr.state if params_from is None else tr.state.replace(
+        params=params_from.params, batch_stats=params_from.batch_stats)
+    import jax
+    acc = jax.device_put(np.zeros((tr.world.world_size, 4), np.float32), tr.world.sharded())
+    for b in input_pipeline.iterate_batches(tr.data.val, 64, shuffle=False):
+        acc = tr.eval_step(state, input_pipeline.to_device(b, tr.world.sharded(), 10), acc)
+    return tr, np.asarray(tr.eval_reduce(acc))
+
+
+def test_validation_metrics_identical_for_world_sizes_1_2_8():
+    tr1, sums1 = _eval_with_world("1")
+    results = {1: sums1}
+    for n in ("2", "8"):
+        _, results[int(n)] = _eval_with_world(n)
+    assert results[1][3] == 360  # every example once (360 = 5*64 + 40, last batch padded)
+    for n in (2, 8):
+        np.testing.assert_allclose(results[n][1:], results[1][1:], rtol=0, atol=0)  # counts exact
+        np.testing.assert_allclose(results[n][0], results[1][0], rtol=1e-6)
+    # against a host computation: the model applied to the whole set, numpy metrics
+    import jax
+    from trjax import models
+    model = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None)
+    p = jax.tree_util.tree_map(np.asarray, tr1.state.params)
+    bs = jax.tree_util.tree_map(np.asarray, tr1.state.batch_stats)
+    logits = np.asarray(model.apply({"params": p, "batch_stats": bs}, tr1.data.val.images, train=False),
+                        np.float64)
+    y = tr1.data.val.labels
+    top1 = np.sum(np.argmax(logits, 1) == y)
+    rank = np.sum(logits > logits[np.arange(len(y)), y][:, None], 1)
+    logp = logits - logits.max(1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(1, keepdims=True))
+    assert results[1][1] == top1 and results[1][2] == np.sum(rank < 5)
+    np.testing.assert_allclose(results[1][0], -logp[np.arange(len(y)), y].sum(), rtol=1e-5)
+
+
+def test_comm_report_default_config():
+    from trjax.report import comm_report
+    r = comm_report(default_config.get_config())
+    assert r["gradient_all_reduces"] == 2
+    assert r["bucket_elements_match_plan"]
+    assert r["deep_before_first_conv_wgrad"]
+    cols = r["train_step"]["collectives"]
+    assert [c["carries"] for c in cols] == [["bucket:deep (deep convs + metrics)"],
+                                            ["bucket:first (first conv + BN + FC)"],
+                                            ["bn:running statistics"]]
+    assert [c["elements"] for c in cols[:2]] == [r["buckets"]["deep"]["elements"],
+                                                r["buckets"]["first"]["elements"]]
+    assert r["eval_step"]["count"] == 0 and r["eval_reduce"]["count"] == 1
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("bn_mode", "syncc", "config.bn_mode='syncc' is not one of"),
+    ("model", "resnet7", "config.model='resnet7'"),
+    ("devices", "0-9", "device spec '0-9' names device id(s) [8, 9]"),
+    ("global_batch_size", 100, "global_batch_size 100 is not divisible by world_size 8; use 96 or 104"),
+    ("eval_batch_size", 4, "global_batch_size 4 is smaller than world_size 8"),
+    ("num_epochs", 0, "config.num_epochs=0 must be a positive int"),
+])
+def test_bad_config_fails_before_compiling(field, value, needle, monkeypatch):
+    called = []
+    monkeypatch.setattr(steps, "compile_step", lambda *a, **k: called.append(1))
+    with pytest.raises(ValueError) as e:
+        setup(small_config(**{field: value}))
+    assert needle in str(e.value)
+    assert not called
