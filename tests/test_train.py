@@ -10,7 +10,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import default as default_config  # noqa: E402
 
 from trjax import input_pipeline, steps  # noqa: E402
-from trjax.train import setup, train_and_evaluate  # noqa: E402
+from trjax.train import evaluate_pass, setup, train_and_evaluate  # noqa: E402
 
 
 def small_config(**overrides):
@@ -31,7 +31,7 @@ def test_main_job_short(tmp_path):
         assert key in s
     assert s["world_size"] == 8 and s["global_batch_size"] == 128 and s["epochs"] == 2
     assert s["steps"] == 2 * 12  # 1437 train digits, batch 128, last batch padded
-    assert s["compiles"] == {"train_step": 1, "eval_step": 1, "eval_reduce": 1}
+    assert s["compiles"] == {"train_step": 1, "fold_bn": 1, "eval_step": 1, "eval_reduce": 1}
     assert s["compiles_during_training"] == 0
     assert s["val_examples"] == 360 and s["skipped_steps"] == 0
     assert s["val_top1"] > 0.5  # two epochs already learn (chance is 0.1)
@@ -44,11 +44,7 @@ def _eval_with_world(devices, params_from=None):
     tr = setup(small_config(devices=devices, global_batch_size=8, eval_batch_size=64))
     state = tr.state if params_from is None else tr.state.replace(
         params=params_from.params, batch_stats=params_from.batch_stats)
-    import jax
-    acc = jax.device_put(np.zeros((tr.world.world_size, 4), np.float32), tr.world.sharded())
-    for b in input_pipeline.iterate_batches(tr.data.val, 64, shuffle=False):
-        acc = tr.eval_step(state, input_pipeline.to_device(b, tr.world.sharded(), 10), acc)
-    return tr, np.asarray(tr.eval_reduce(acc))
+    return tr, np.array(evaluate_pass(tr, state)["sums"])
 
 
 def test_validation_metrics_identical_for_world_sizes_1_2_8():
@@ -89,7 +85,8 @@ def test_comm_report_default_config():
                                             ["bn:running statistics"]]
     assert [c["elements"] for c in cols[:2]] == [r["buckets"]["deep"]["elements"],
                                                 r["buckets"]["first"]["elements"]]
-    assert r["eval_step"]["count"] == 0 and r["eval_reduce"]["count"] == 1
+    assert r["eval_step"]["count"] == 0 and r["fold_bn"]["count"] == 0
+    assert r["eval_reduce"]["count"] == 1
 
 
 @pytest.mark.parametrize("field,value,needle", [

@@ -43,6 +43,28 @@ def fold_batchnorm(scale, bias, mean, var, epsilon):
     return a, bias - mean * a
 
 
+def fold_batchnorm_tree(params, batch_stats, epsilon: float = 1e-5):
+    """Folds every BatchNorm of a model: the ``bn_folded`` variable collection.
+
+    Args:
+      params: the model's params; each BN module holds ``scale``, ``bias``.
+      batch_stats: the matching ``mean``, ``var`` per BN module (same paths).
+      epsilon: the BatchNorm epsilon.
+
+    Returns:
+      A tree with, at every BN module's path, ``{"scale": a, "bias": b}`` from
+      :func:`fold_batchnorm`. Pass it as ``{"params": ..., "bn_folded": ...}``
+      to ``model.apply(..., train=False)``: each BN then applies only
+      ``x * a + b`` (the seed's UPDATE_BN_INF_PARAMS, done once per evaluation).
+    """
+    def walk(p, s):
+        if "mean" in s and "var" in s:
+            a, b = fold_batchnorm(p["scale"], p["bias"], s["mean"], s["var"], epsilon)
+            return {"scale": a, "bias": b}
+        return {k: walk(p[k], v) for k, v in s.items()}
+    return walk(params, batch_stats)
+
+
 class BatchNorm(nn.Module):
     """BatchNorm over all axes but the last (NHWC), with a data-parallel mode.
 
@@ -73,6 +95,12 @@ class BatchNorm(nn.Module):
         if self.mode not in BN_MODES:
             raise ValueError(f"BatchNorm mode {self.mode!r} is not one of {BN_MODES}")
         c = x.shape[-1]
+        if not train and self.has_variable("bn_folded", "scale"):
+            # Inference with statistics folded ahead of time (fold_batchnorm_tree):
+            # one per-channel affine, nothing else.
+            a = self.get_variable("bn_folded", "scale").astype(self.dtype)
+            b = self.get_variable("bn_folded", "bias").astype(self.dtype)
+            return (x * a + b).astype(self.dtype)
         scale = self.param("scale", nn.initializers.ones, (c,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
         ra_mean = self.variable("batch_stats", "mean", lambda: jnp.zeros((c,), jnp.float32))

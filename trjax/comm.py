@@ -33,7 +33,8 @@ def ring_traffic_bytes(nbytes: int, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
 
 
-def _entry_lines(hlo_text: str) -> list[str]:
+def entry_lines(hlo_text: str) -> list[str]:
+    """The instruction lines of the entry computation, in (schedule) order."""
     lines = hlo_text.splitlines()
     start = next(i for i, l in enumerate(lines) if l.startswith("ENTRY"))
     out = []
@@ -57,7 +58,7 @@ def collectives_in_hlo(hlo_text: str) -> list[dict]:
       instruction index in the (scheduled) entry computation.
     """
     out = []
-    for pos, line in enumerate(_entry_lines(hlo_text)):
+    for pos, line in enumerate(entry_lines(hlo_text)):
         m = _INSTR.match(line)
         if not m or m.group(3) not in COLLECTIVE_OPS:
             continue
@@ -74,7 +75,7 @@ def conv_positions(hlo_text: str, kernel_shape) -> list[int]:
     ``kernel_shape`` in any order: the weight-gradient convs of that kernel."""
     want = sorted(kernel_shape)
     pos = []
-    for i, line in enumerate(_entry_lines(hlo_text)):
+    for i, line in enumerate(entry_lines(hlo_text)):
         m = _INSTR.match(line)
         if m and m.group(3) == "convolution":
             shapes = _shapes(m.group(2))

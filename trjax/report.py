@@ -57,7 +57,7 @@ def format_report(r: dict) -> str:
     for b, v in r["buckets"].items():
         lines.append(f"  bucket {b:6s} {v['elements']:>10d} elements {v['bytes']:>11d} B  "
                      f"ring traffic/rank {v['ring_traffic_per_rank_bytes']:.0f} B")
-    for name in ("train_step", "eval_step", "eval_reduce"):
+    for name in ("train_step", "fold_bn", "eval_step", "eval_reduce"):
         lines.append(f"{name}: {r[name]['count']} collective(s)")
         for c in r[name]["collectives"]:
             lines.append(f"  #{c['position']:<5d} {c['kind']:12s} {c['elements']:>10d} el "

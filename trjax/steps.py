@@ -40,6 +40,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from trjax import collectives
+from trjax.batchnorm import fold_batchnorm_tree
 from trjax.plan import METRICS, MemoryPlan, make_plan
 from trjax.regions import assign_regions
 from trjax.world import DATA_AXIS, World
@@ -220,24 +221,51 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
                          out_specs=(state_specs(bn_mode), P()))
 
 
-def make_eval_step(model: nn.Module, world: World, bn_mode: str) -> Callable:
-    """Returns ``eval_step(state, batch, acc) -> acc``: no collective.
+def make_fold_bn(world: World, bn_mode: str) -> Callable:
+    """Returns ``fold_bn(state) -> folded``: every BN's running statistics and
+    affine folded into one per-channel ``scale``/``bias``, once per evaluation
+    (see :func:`trjax.batchnorm.fold_batchnorm_tree`). No collective.
+    Folded leaves are ``[C]`` (``[world_size, C]`` in ``local`` mode)."""
+    spec = P(DATA_AXIS) if bn_mode == "local" else P()
 
-    ``acc`` is ``[world_size, 4] float32`` sharded over the data axis: each
-    device adds its batch's ``loss_sum, top1, top5, count`` to its own row.
-    :func:`make_eval_reduce` turns it into exact global values once per pass
-    (the seed's VAL_RESULT_COMM).
-    """
-    def local_eval(state: TrainState, batch, acc):
+    def local_fold(state: TrainState):
         bs = state.batch_stats
         if bn_mode == "local":
             bs = jax.tree_util.tree_map(lambda x: x[0], bs)
-        logits = model.apply({"params": state.params, "batch_stats": bs}, batch["image"],
-                             train=False)
+        folded = fold_batchnorm_tree(state.params, bs)
+        if bn_mode == "local":
+            folded = jax.tree_util.tree_map(lambda x: x[None], folded)
+        return folded
+
+    return jax.shard_map(local_fold, mesh=world.mesh, in_specs=(state_specs(bn_mode),),
+                         out_specs=spec)
+
+
+def make_eval_step(model: nn.Module, world: World, bn_mode: str, folded: bool = True) -> Callable:
+    """Returns ``eval_step(params, bn, batch, acc) -> acc``: no collective.
+
+    Args (of the returned function):
+      params: the model params (replicated).
+      bn: with ``folded=True`` the output of :func:`make_fold_bn`; otherwise
+        the raw ``batch_stats`` (BN then folds on every batch).
+      batch: as for the train step (``eval_batch_size`` rows).
+      acc: ``[world_size, 4] float32`` sharded over the data axis: each device
+        adds its batch's ``loss_sum, top1, top5, count`` to its own row.
+
+    :func:`make_eval_reduce` turns ``acc`` into exact global values once per
+    pass (the seed's VAL_RESULT_COMM).
+    """
+    collection = "bn_folded" if folded else "batch_stats"
+    bn_spec = P(DATA_AXIS) if bn_mode == "local" else P()
+
+    def local_eval(params, bn, batch, acc):
+        if bn_mode == "local":
+            bn = jax.tree_util.tree_map(lambda x: x[0], bn)
+        logits = model.apply({"params": params, collection: bn}, batch["image"], train=False)
         return acc + batch_metrics(logits, batch["label"], batch["mask"])[None]
 
     return jax.shard_map(local_eval, mesh=world.mesh,
-                         in_specs=(state_specs(bn_mode), BATCH_SPEC, P(DATA_AXIS)),
+                         in_specs=(P(), bn_spec, BATCH_SPEC, P(DATA_AXIS)),
                          out_specs=P(DATA_AXIS))
 
 

@@ -86,13 +86,14 @@ class Trainer:
     schedule: Any
     state: Any
     train_step: steps.CompiledStep
+    fold_bn: steps.CompiledStep
     eval_step: steps.CompiledStep
     eval_reduce: steps.CompiledStep
     steps_per_epoch: int
 
     @property
     def compiled(self):
-        return (self.train_step, self.eval_step, self.eval_reduce)
+        return (self.train_step, self.fold_bn, self.eval_step, self.eval_reduce)
 
 
 def setup(config: ml_collections.ConfigDict) -> Trainer:
@@ -134,13 +135,33 @@ def setup(config: ml_collections.ConfigDict) -> Trainer:
     train_step = steps.compile_step(
         "train_step", steps.make_train_step(model, tx, plan, world, config.bn_mode),
         state, example(world.global_batch_size), donate_argnums=0)
+    fold_bn = steps.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state)
+    folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
     eval_step = steps.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
-                                   state, example(config.eval_batch_size), acc_shape,
-                                   donate_argnums=2)
+                                   state.params, folded, example(config.eval_batch_size),
+                                   acc_shape, donate_argnums=3)
     eval_reduce = steps.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
     plan = plan.with_memory(train_step.memory())
-    return Trainer(config, world, data, model, plan, schedule, state, train_step, eval_step,
-                   eval_reduce, train_steps)
+    return Trainer(config, world, data, model, plan, schedule, state, train_step, fold_bn,
+                   eval_step, eval_reduce, train_steps)
+
+
+def evaluate_pass(tr: Trainer, state) -> dict:
+    """One validation pass: fold BN once, accumulate per device, ONE all-reduce.
+
+    Returns ``{"loss", "top1", "top5", "count", "sums"}``: global sums over the
+    global count of real examples (padding rows are masked out); ``sums`` is
+    the raw ``[loss_sum, top1_correct, top5_correct, count]``.
+    """
+    world = tr.world
+    folded = tr.fold_bn(state)
+    acc = jax.device_put(np.zeros((world.world_size, 4), np.float32), world.sharded())
+    for batch in input_pipeline.iterate_batches(tr.data.val, tr.config.eval_batch_size,
+                                                shuffle=False):
+        acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
+            batch, world.sharded(), tr.data.num_classes), acc)
+    sums = np.asarray(tr.eval_reduce(acc))
+    return {**_rates(sums), "count": int(sums[3]), "sums": sums.tolist()}
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -155,7 +176,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     t_start = time.perf_counter()
     tr = setup(config)
     world, data, plan, schedule, state = tr.world, tr.data, tr.plan, tr.schedule, tr.state
-    train_step, eval_step, eval_reduce = tr.compiled
+    train_step, fold_bn, eval_step, eval_reduce = tr.compiled
     compiled, train_steps = tr.compiled, tr.steps_per_epoch
     total_steps = train_steps * config.num_epochs
     os.makedirs(workdir, exist_ok=True)
@@ -167,13 +188,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           f"; compile {sum(c.compile_s for c in compiled):.1f}s")
 
     def evaluate(state) -> dict:
-        acc = jax.device_put(np.zeros((world.world_size, 4), np.float32), world.sharded())
-        for batch in input_pipeline.iterate_batches(data.val, config.eval_batch_size,
-                                                    shuffle=False):
-            acc = eval_step(state, input_pipeline.to_device(batch, world.sharded(),
-                                                            data.num_classes), acc)
-        sums = np.asarray(eval_reduce(acc))
-        return {**_rates(sums), "count": int(sums[3])}
+        return evaluate_pass(tr, state)
 
     # learning rate per step, for the log (evaluated once: no op compiled in the loop)
     lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
@@ -216,7 +231,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             val = evaluate(state)
             row = {"epoch": epoch, "step": step_index,
                    **{f"train_{k}": v for k, v in _rates(sums).items()},
-                   **{f"val_{k}": v for k, v in val.items() if k != "count"},
+                   **{f"val_{k}": val[k] for k in ("loss", "top1", "top5")},
                    "images_per_s": sums[3] / epoch_s, "epoch_s": epoch_s,
                    "lr": float(lr_table[step_index])}
             history.append(row)
