@@ -22,6 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.model = "resnet20"
     c.bn_mode = "running"          # "running" (seed), "sync" (SyncBatchNorm), "local"
     c.bn_momentum = 0.9
+    c.precision = "fp32"           # "fp32", "bf16" (fp32 master weights), "fp16" (dynamic loss scale)
+    c.loss_scale_growth_interval = 2000  # fp16: double the loss scale after this many good steps
     # optimisation
     c.optimizer = "sgd"            # "sgd" or "lars"
     c.learning_rate = 0.2

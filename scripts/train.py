@@ -29,7 +29,7 @@ def main(argv):
     # Only the CPU backend reads this; it must be set before any device is used.
     jax.config.update("jax_num_cpu_devices", int(config.cpu_devices))
     from trjax.train import train_and_evaluate
-    summary = train_and_evaluate(config, flags.FLAGS.workdir)
+    _, summary = train_and_evaluate(config, flags.FLAGS.workdir)
     print(f"val_top1={summary['val_top1']:.4f} val_top5={summary['val_top5']:.4f} "
           f"world_size={summary['world_size']} wall_s={summary['wall_s']:.1f} "
           f"-> {os.path.join(flags.FLAGS.workdir, 'summary.json')}")

@@ -101,3 +101,14 @@ def test_compiled_step_rejects_other_shapes():
     with pytest.raises(TypeError, match=r"\['label'\] is \(32,\) float32 .* \(32,\) int32"):
         step(state, bad)
     assert step.calls == 0
+
+
+def test_compiled_step_rejects_other_sharding():
+    batch = random_batch(32)
+    world, model, plan, tx, state = setup("all", 32, "sync")
+    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "sync"),
+                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    replicated = jax.device_put(batch, world.replicated())
+    with pytest.raises(TypeError, match=r"argument \[1\]\['image'\] has sharding .* but the step "
+                                        r"was compiled for"):
+        step(state, replicated)

@@ -23,7 +23,7 @@ def small_config(**overrides):
 
 
 def test_main_job_short(tmp_path):
-    s = train_and_evaluate(small_config(), str(tmp_path))
+    _, s = train_and_evaluate(small_config(), str(tmp_path))
     on_disk = json.loads((tmp_path / "summary.json").read_text())
     assert on_disk["val_top1"] == s["val_top1"]
     for key in ("val_top1", "val_top5", "val_loss", "world_size", "global_batch_size", "epochs",
@@ -96,6 +96,7 @@ def test_comm_report_default_config():
     ("global_batch_size", 100, "global_batch_size 100 is not divisible by world_size 8; use 96 or 104"),
     ("eval_batch_size", 4, "global_batch_size 4 is smaller than world_size 8"),
     ("num_epochs", 0, "config.num_epochs=0 must be a positive int"),
+    ("precision", "fp8", "config.precision='fp8' is not one of"),
 ])
 def test_bad_config_fails_before_compiling(field, value, needle, monkeypatch):
     called = []

@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from trjax import collectives
 from trjax.batchnorm import fold_batchnorm_tree
 from trjax.plan import METRICS, MemoryPlan, make_plan
+from trjax.precision import update_loss_scale
 from trjax.regions import assign_regions
 from trjax.world import DATA_AXIS, World
 
@@ -53,18 +54,22 @@ class TrainState:
     ``batch_stats`` leaves are ``[C]`` (replicated) in ``sync``/``running``
     BN mode and ``[world_size, C]`` (one row per replica) in ``local`` mode.
     ``skipped_steps`` counts updates skipped for non-finite gradients.
+    ``loss_scale`` / ``good_steps``: dynamic loss scaling (fp16; 1.0 and
+    unused otherwise).
     """
     step: jax.Array
     params: Any
     batch_stats: Any
     opt_state: Any
     skipped_steps: jax.Array
+    loss_scale: jax.Array
+    good_steps: jax.Array
 
 
 def state_specs(bn_mode: str) -> TrainState:
     """shard_map partition specs of a :class:`TrainState` (a pytree prefix)."""
-    return TrainState(step=P(), params=P(), opt_state=P(), skipped_steps=P(),
-                      batch_stats=P(DATA_AXIS) if bn_mode == "local" else P())
+    return TrainState(step=P(), params=P(), opt_state=P(), skipped_steps=P(), loss_scale=P(),
+                      good_steps=P(), batch_stats=P(DATA_AXIS) if bn_mode == "local" else P())
 
 
 BATCH_SPEC = {"image": P(DATA_AXIS), "label": P(DATA_AXIS), "mask": P(DATA_AXIS)}
@@ -92,7 +97,8 @@ def batch_metrics(logits, labels, mask):
 # --------------------------------------------------------------------------
 
 def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
-                       world: World, image_shape: tuple, bn_mode: str) -> TrainState:
+                       world: World, image_shape: tuple, bn_mode: str,
+                       loss_scale: float = 1.0) -> TrainState:
     """Initialises on every replica, then broadcasts rank 0's parameters.
 
     Each replica runs ``model.init`` with its own key ``fold_in(rng, rank)``
@@ -107,6 +113,7 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
       world: devices and mesh.
       image_shape: ``(H, W, C)`` of one example.
       bn_mode: ``sync``, ``running`` or ``local``.
+      loss_scale: initial loss scale (fp16 dynamic scaling; 1.0 otherwise).
 
     Returns:
       A :class:`TrainState` laid out as :func:`state_specs` says.
@@ -131,9 +138,10 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
             lambda x: jax.device_put(np.broadcast_to(np.asarray(x), (n,) + x.shape),
                                      world.sharded()), batch_stats)
     opt_state = jax.jit(tx.init, out_shardings=world.replicated())(params)
-    state = TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), world.replicated()),
-                       params=params, batch_stats=batch_stats, opt_state=opt_state,
-                       skipped_steps=jax.device_put(jnp.zeros((), jnp.int32), world.replicated()))
+    scalar = lambda v, dt: jax.device_put(np.asarray(v, dt), world.replicated())
+    state = TrainState(step=scalar(0, np.int32), params=params, batch_stats=batch_stats,
+                       opt_state=opt_state, skipped_steps=scalar(0, np.int32),
+                       loss_scale=scalar(loss_scale, np.float32), good_steps=scalar(0, np.int32))
     check_replicas_identical(state.params)
     return state
 
@@ -162,7 +170,8 @@ def build_plan(model: nn.Module, image_shape: tuple) -> MemoryPlan:
 # --------------------------------------------------------------------------
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: MemoryPlan,
-                    world: World, bn_mode: str) -> Callable:
+                    world: World, bn_mode: str, dynamic_loss_scale: bool = False,
+                    growth_interval: int = 2000) -> Callable:
     """Returns ``train_step(state, batch) -> (state, metrics)`` over ``world``.
 
     Args (of the returned function, global view):
@@ -174,6 +183,10 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
       The new state and ``metrics [5] float32``: global ``loss_sum,
       top1_correct, top5_correct, count`` of this step's batch, then
       ``finite`` (1.0, or 0.0 when the update was skipped).
+
+    With ``dynamic_loss_scale`` (fp16) the loss is multiplied by
+    ``state.loss_scale`` before backward and the scale is updated by
+    :func:`trjax.precision.update_loss_scale` from the all-reduced gradients.
     """
     axis = DATA_AXIS
 
@@ -183,18 +196,24 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
             bs = jax.tree_util.tree_map(lambda x: x[0], bs)
         params_v = lax.pcast(state.params, axis, to="varying")
 
+        scale = state.loss_scale if dynamic_loss_scale else None
+
         def loss_fn(params):
             logits, new_vars = model.apply({"params": params, "batch_stats": bs}, batch["image"],
                                            train=True, mask=batch["mask"], mutable=["batch_stats"])
             metrics = batch_metrics(logits, batch["label"], batch["mask"])
-            return metrics[0], (metrics, new_vars["batch_stats"])
+            loss = metrics[0] if scale is None else metrics[0] * scale
+            return loss, (metrics, new_vars["batch_stats"])
 
         (_, (metrics, new_bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_v)
         buffers = plan.pack(grads, lax.stop_gradient(metrics))
         reduced = collectives.allreduce_buckets(buffers, axis)
         grads, metrics = plan.unpack(reduced)
+        # every replica sees the same reduced values: they agree without a collective
         finite = jnp.isfinite(jnp.sum(reduced["deep"]) + jnp.sum(reduced["first"]))
         inv_count = 1.0 / jnp.maximum(metrics[3], 1.0)
+        if scale is not None:
+            inv_count = inv_count / scale
         grads = jax.tree_util.tree_map(lambda g: g * inv_count, grads)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
@@ -202,9 +221,15 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
         if bn_mode == "running":
             stats = collectives.allreduce_batch_stats(plan.pack_stats(new_bs), axis,
                                                       done=reduced["first"])
+            finite = finite & jnp.isfinite(jnp.sum(stats))
             new_bs = plan.unpack_stats(stats)
         elif bn_mode == "local":
             new_bs = jax.tree_util.tree_map(lambda x: x[None], new_bs)
+        if dynamic_loss_scale:
+            loss_scale, good_steps = update_loss_scale(state.loss_scale, state.good_steps, finite,
+                                                       growth_interval)
+        else:
+            loss_scale, good_steps = state.loss_scale, state.good_steps
 
         keep = lambda new, old: jax.tree_util.tree_map(
             lambda a, b: jnp.where(finite, a, b), new, old)
@@ -213,7 +238,8 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
             params=keep(params, state.params),
             batch_stats=keep(new_bs, state.batch_stats),
             opt_state=keep(opt_state, state.opt_state),
-            skipped_steps=state.skipped_steps + (1 - finite.astype(jnp.int32)))
+            skipped_steps=state.skipped_steps + (1 - finite.astype(jnp.int32)),
+            loss_scale=loss_scale, good_steps=good_steps)
         return new_state, jnp.concatenate([metrics, finite.astype(jnp.float32)[None]])
 
     return jax.shard_map(local_step, mesh=world.mesh,
@@ -305,11 +331,12 @@ class CompiledStep:
       calls: number of calls.
     """
 
-    def __init__(self, name: str, compiled, signature, compile_s: float):
+    def __init__(self, name: str, compiled, signature, compile_s: float, donate_argnums=()):
         self.name = name
         self.compiled = compiled
         self.signature = signature
         self.compile_s = compile_s
+        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.calls = 0
         self._paths = [jax.tree_util.keystr(p) for p, _ in
                        jax.tree_util.tree_flatten_with_path(signature)[0]]
@@ -321,6 +348,9 @@ class CompiledStep:
             raise TypeError(f"{self.name}: argument structure {treedef} differs from the compiled "
                             f"one {self._treedef}")
         for path, want, got in zip(self._paths, self._leaves, leaves):
+            if getattr(got, "is_deleted", lambda: False)():
+                raise RuntimeError(f"{self.name}: argument {path} was donated to an earlier call "
+                                   "and its buffer is gone; pass the state that call returned")
             if tuple(got.shape) != tuple(want.shape) or np.dtype(got.dtype) != np.dtype(want.dtype):
                 raise TypeError(f"{self.name}: argument {path} is {_spec_str(got)} but the step "
                                 f"was compiled for {_spec_str(want)}; build batches of the "
@@ -334,6 +364,8 @@ class CompiledStep:
 
     def __call__(self, *args):
         self.check(*args)
+        if self.calls == 0 and self.donate_argnums:
+            args = tuple(dealias(a) if i in self.donate_argnums else a for i, a in enumerate(args))
         self.calls += 1
         return self.compiled(*args)
 
@@ -360,6 +392,29 @@ class CompiledStep:
         return self.compiled.as_text()
 
 
+def dealias(tree):
+    """Copies leaves whose device buffers are shared with an earlier leaf.
+
+    Donating a pytree in which two leaves share a buffer (the same array
+    twice, or a ``device_put`` that reused its source) would hand XLA one
+    buffer twice; the later leaf gets its own copy instead. Returns the tree
+    with distinct buffers; leaves already distinct are returned as they are.
+    """
+    seen: set = set()
+
+    def one(x):
+        if not isinstance(x, jax.Array):
+            return x
+        ptrs = tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+        if any(p in seen for p in ptrs):
+            x = jax.device_put(x, x.sharding, may_alias=False, donate=False)
+            ptrs = tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards)
+        seen.update(ptrs)
+        return x
+
+    return jax.tree_util.tree_map(one, tree)
+
+
 def compile_step(name: str, fn: Callable, *example_args, donate_argnums=()) -> CompiledStep:
     """Lowers and compiles ``fn`` for the shapes/shardings of ``example_args``.
 
@@ -370,4 +425,4 @@ def compile_step(name: str, fn: Callable, *example_args, donate_argnums=()) -> C
     sig = abstract(example_args)
     t0 = time.perf_counter()
     compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*sig).compile()
-    return CompiledStep(name, compiled, sig, time.perf_counter() - t0)
+    return CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums)

@@ -28,6 +28,7 @@ import numpy as np
 
 from trjax import input_pipeline, models, optim, steps
 from trjax.batchnorm import BN_MODES
+from trjax.precision import INITIAL_LOSS_SCALE, PRECISIONS, compute_dtype
 from trjax.world import check_batch_split, make_world
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -55,7 +56,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     Raises:
       ValueError: naming the field, its value and the valid choices.
     """
-    choices = {"bn_mode": BN_MODES, "optimizer": optim.OPTIMIZERS, "model": tuple(models.MODELS),
+    choices = {"bn_mode": BN_MODES, "precision": tuple(PRECISIONS), "optimizer": optim.OPTIMIZERS, "model": tuple(models.MODELS),
                "dataset": tuple(input_pipeline.DATASETS),
                "train_remainder": input_pipeline.REMAINDERS}
     for field, valid in choices.items():
@@ -90,13 +91,15 @@ class Trainer:
     eval_step: steps.CompiledStep
     eval_reduce: steps.CompiledStep
     steps_per_epoch: int
+    dtype: Any
 
     @property
     def compiled(self):
         return (self.train_step, self.fold_bn, self.eval_step, self.eval_reduce)
 
 
-def setup(config: ml_collections.ConfigDict) -> Trainer:
+def setup(config: ml_collections.ConfigDict,
+          data: input_pipeline.Dataset | None = None) -> Trainer:
     """Config -> world -> data -> model and plan -> state -> compiled steps.
 
     Every check on the config, the device spec and the batch split runs before
@@ -104,16 +107,25 @@ def setup(config: ml_collections.ConfigDict) -> Trainer:
     train state donated; the plan then carries the train step's memory
     statistics.
 
+    Args:
+      config: see ``configs/default.py``.
+      data: a :class:`trjax.input_pipeline.Dataset` to use instead of
+        ``config.dataset`` (arrays already in memory).
+
     Raises:
       ValueError: an invalid config, device spec or batch split.
     """
     validate_config(config)
     world = make_world(config.devices, config.global_batch_size)
     check_batch_split(config.eval_batch_size, world.world_size)
-    data = input_pipeline.load_dataset(config.dataset)
+    if data is None:
+        data = input_pipeline.load_dataset(config.dataset)
 
+    dtype = compute_dtype(config.precision)
+    fp16 = config.precision == "fp16"
     model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
-                                axis_name=world.axis_name, bn_momentum=config.bn_momentum)
+                                axis_name=world.axis_name, bn_momentum=config.bn_momentum,
+                                dtype=dtype)
     plan = steps.build_plan(model, data.image_shape)
     train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
                                                  config.train_remainder)
@@ -124,16 +136,19 @@ def setup(config: ml_collections.ConfigDict) -> Trainer:
                               weight_decay=config.weight_decay, nesterov=config.nesterov,
                               trust_coefficient=config.trust_coefficient)
     state = steps.create_train_state(jax.random.key(config.seed), model, tx, world,
-                                     data.image_shape, config.bn_mode)
+                                     data.image_shape, config.bn_mode,
+                                     loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
 
     def example(n):
-        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape, np.float32,
+        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape, dtype,
                                               sharding=world.sharded()),
                 "label": jax.ShapeDtypeStruct((n,), np.int32, sharding=world.sharded()),
                 "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
     acc_shape = jax.ShapeDtypeStruct((world.world_size, 4), np.float32, sharding=world.sharded())
     train_step = steps.compile_step(
-        "train_step", steps.make_train_step(model, tx, plan, world, config.bn_mode),
+        "train_step", steps.make_train_step(model, tx, plan, world, config.bn_mode,
+                                            dynamic_loss_scale=fp16,
+                                            growth_interval=config.loss_scale_growth_interval),
         state, example(world.global_batch_size), donate_argnums=0)
     fold_bn = steps.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state)
     folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
@@ -143,7 +158,7 @@ def setup(config: ml_collections.ConfigDict) -> Trainer:
     eval_reduce = steps.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
     plan = plan.with_memory(train_step.memory())
     return Trainer(config, world, data, model, plan, schedule, state, train_step, fold_bn,
-                   eval_step, eval_reduce, train_steps)
+                   eval_step, eval_reduce, train_steps, dtype)
 
 
 def evaluate_pass(tr: Trainer, state) -> dict:
@@ -159,13 +174,23 @@ def evaluate_pass(tr: Trainer, state) -> dict:
     for batch in input_pipeline.iterate_batches(tr.data.val, tr.config.eval_batch_size,
                                                 shuffle=False):
         acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
-            batch, world.sharded(), tr.data.num_classes), acc)
+            batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
     sums = np.asarray(tr.eval_reduce(acc))
     return {**_rates(sums), "count": int(sums[3]), "sums": sums.tolist()}
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-    """Trains and evaluates; returns the summary (also written to ``summary.json``).
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
+                       data: input_pipeline.Dataset | None = None):
+    """Trains and evaluates.
+
+    Args:
+      config: see ``configs/default.py``.
+      workdir: where ``metrics.jsonl`` and ``summary.json`` go.
+      data: optional in-memory :class:`trjax.input_pipeline.Dataset`.
+
+    Returns:
+      ``(state, summary)``: the final :class:`trjax.steps.TrainState` and the
+      summary dict (also written to ``summary.json``).
 
     Raises:
       ValueError: an invalid config, device spec or batch split (before any
@@ -174,7 +199,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         ``config.halt_on_nonfinite``.
     """
     t_start = time.perf_counter()
-    tr = setup(config)
+    tr = setup(config, data)
     world, data, plan, schedule, state = tr.world, tr.data, tr.plan, tr.schedule, tr.state
     train_step, fold_bn, eval_step, eval_reduce = tr.compiled
     compiled, train_steps = tr.compiled, tr.steps_per_epoch
@@ -214,14 +239,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
                     if m[4] == 0.0:
                         skipped += 1
                         msg = f"step {i}: non-finite gradient, update skipped on every replica"
-                        if config.halt_on_nonfinite:
+                        if config.precision == "fp16":
+                            msg += " (fp16: loss scale halved)"
+                        elif config.halt_on_nonfinite:
                             raise FloatingPointError(msg + " (config.halt_on_nonfinite=True)")
                         print(msg)
 
             for batch in batches:
                 step_index += 1
                 state, m = train_step(state, input_pipeline.to_device(
-                    batch, world.sharded(), data.num_classes))
+                    batch, world.sharded(), data.num_classes, tr.dtype))
                 pending.append((step_index, m))
                 drain(config.metrics_lag)
             drain(0)
@@ -247,9 +274,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "val_examples": val["count"],
         "world_size": world.world_size, "global_batch_size": world.global_batch_size,
         "local_batch_size": world.local_batch_size, "platform": world.devices[0].platform,
-        "bn_mode": config.bn_mode, "model": config.model, "dataset": config.dataset,
+        "bn_mode": config.bn_mode, "precision": config.precision, "model": config.model, "dataset": config.dataset,
         "epochs": config.num_epochs, "steps": int(np.asarray(state.step)),
         "skipped_steps": int(np.asarray(state.skipped_steps)),
+        "loss_scale": float(np.asarray(state.loss_scale)),
         "train_images_per_s": train_images / train_time,
         "compiles": {c.name: 1 for c in compiled},
         "compiles_during_training": loop_compiles[0],
@@ -259,4 +287,4 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
     }
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    return summary
+    return state, summary

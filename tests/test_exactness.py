@@ -1,0 +1,132 @@
+"""Same numbers whatever the device count; non-finite steps skipped; LARS; donation."""
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from helpers import max_rel, random_batch, setup, to_host
+from test_train import small_config
+from trjax import input_pipeline as ip
+from trjax import optim, steps
+from trjax.precision import update_loss_scale
+from trjax.train import evaluate_pass, setup as setup_trainer, train_and_evaluate
+
+
+def _digits_subset(n_train, n_val):
+    d = ip.load_digits()
+    return ip.Dataset(ip.Split(d.train.images[:n_train], d.train.labels[:n_train]),
+                      ip.Split(d.val.images[:n_val], d.val.labels[:n_val]), 10, "digits-subset")
+
+
+def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4():
+    data = _digits_subset(8, 10)
+    fractions = {}
+    for n in (1, 2, 4):
+        tr = setup_trainer(small_config(devices=str(n), global_batch_size=4, eval_batch_size=4),
+                           data)
+        r = evaluate_pass(tr, tr.state)
+        assert r["count"] == 10  # 3 batches, the last padded with 2 masked rows
+        # against a host computation over the 10 real examples
+        from trjax import models
+        m = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None)
+        logits = m.apply({"params": to_host(tr.state.params),
+                          "batch_stats": to_host(tr.state.batch_stats)}, data.val.images,
+                         train=False)
+        assert r["top1"] == np.mean(np.argmax(np.asarray(logits), 1) == data.val.labels)
+        fractions[n] = r["sums"]
+    assert fractions[1][1:] == fractions[2][1:] == fractions[4][1:]
+    np.testing.assert_allclose(fractions[2][0], fractions[1][0], rtol=1e-6)
+    np.testing.assert_allclose(fractions[4][0], fractions[1][0], rtol=1e-6)
+
+
+def test_one_epoch_1000_examples_batch_96_same_on_1_and_8_devices(tmp_path):
+    data = _digits_subset(1000, 40)  # 1000 = 10 x 96 + 40: last batch padded, 4 devices empty
+    finals = {}
+    for n in ("1", "8"):
+        cfg = small_config(devices=n, global_batch_size=96, eval_batch_size=40, num_epochs=1,
+                           bn_mode="sync", learning_rate=0.05)
+        state, summary = train_and_evaluate(cfg, str(tmp_path / n), data)
+        assert summary["steps"] == 11 and summary["compiles_during_training"] == 0
+        finals[n] = to_host(state)
+    assert max_rel(finals["8"].params, finals["1"].params) <= 1e-5
+    assert max_rel(finals["8"].batch_stats, finals["1"].batch_stats) <= 1e-5
+
+
+def test_inf_on_one_replica_skips_the_step_everywhere():
+    world, model, plan, tx, state = setup("all", 32, "running")
+    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "running"),
+                              state, jax.device_put(random_batch(32), world.sharded()),
+                              donate_argnums=0)
+    state, m = step(state, jax.device_put(random_batch(32, seed=1), world.sharded()))
+    assert np.asarray(m)[4] == 1.0
+    before = to_host(state)
+    bad = random_batch(32, seed=2)
+    bad["image"][13, 2, 3, 0] = np.inf  # row 13 lives on replica 3 (local batch 4)
+    state, m = step(state, jax.device_put(bad, world.sharded()))
+    assert np.asarray(m)[4] == 0.0
+    after = to_host(state)
+    for name in ("params", "batch_stats", "opt_state"):
+        for a, b in zip(jax.tree_util.tree_leaves(getattr(before, name)),
+                        jax.tree_util.tree_leaves(getattr(after, name))):
+            assert a.tobytes() == b.tobytes()
+    for leaf in jax.tree_util.tree_leaves(state.params):  # every replica identical
+        assert len({np.asarray(s.data).tobytes() for s in leaf.addressable_shards}) == 1
+    assert int(after.skipped_steps) == 1 and int(after.step) == 2
+    state, m = step(state, jax.device_put(random_batch(32, seed=3), world.sharded()))
+    assert np.asarray(m)[4] == 1.0 and max_rel(to_host(state.params), after.params) > 0
+    assert int(np.asarray(state.skipped_steps)) == 1
+
+
+def test_halt_on_nonfinite_stops_with_a_clear_error(tmp_path):
+    cfg = small_config(learning_rate=1e30, warmup_epochs=0, halt_on_nonfinite=True)
+    with pytest.raises(FloatingPointError, match=r"step \d+: non-finite gradient"):
+        train_and_evaluate(cfg, str(tmp_path))
+
+
+def test_lars_bn_scale_stays_one_and_kernel_gets_trust_ratio_update():
+    world, model, plan, _, state = setup("1", 4, "sync")
+    lr, wd, tc = 0.1, 1e-3, 0.001
+    tx = optim.make_optimizer("lars", lr, None, plan, weight_decay=wd, trust_coefficient=tc,
+                              momentum=0.9)
+    params = to_host(state.params)
+    rng = np.random.default_rng(0)
+    grads = jax.tree_util.tree_map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
+    grads["stem_bn"]["scale"] = np.zeros_like(grads["stem_bn"]["scale"])
+    updates, _ = tx.update(grads, tx.init(params), params)
+    new = optax.apply_updates(params, updates)
+    assert np.all(np.asarray(new["stem_bn"]["scale"]) == 1.0)
+    # BN bias: plain SGD, no decay, no trust ratio
+    np.testing.assert_allclose(new["stem_bn"]["bias"], params["stem_bn"]["bias"]
+                               - lr * grads["stem_bn"]["bias"], rtol=1e-6)
+    w = params["stage2_block1"]["Conv_0"]["kernel"].astype(np.float64)
+    g = grads["stage2_block1"]["Conv_0"]["kernel"].astype(np.float64) + wd * w
+    trust = tc * np.linalg.norm(w) / np.linalg.norm(g)
+    np.testing.assert_allclose(new["stage2_block1"]["Conv_0"]["kernel"], w - lr * trust * g,
+                               rtol=1e-5, atol=1e-8)
+
+
+def test_dynamic_loss_scale():
+    s, g = update_loss_scale(np.float32(1024), np.int32(0), np.bool_(False), 3)
+    assert (float(s), int(g)) == (512.0, 0)
+    s, g = update_loss_scale(np.float32(1024), np.int32(1), np.bool_(True), 3)
+    assert (float(s), int(g)) == (1024.0, 2)
+    s, g = update_loss_scale(np.float32(1024), np.int32(2), np.bool_(True), 3)
+    assert (float(s), int(g)) == (2048.0, 0)
+    s, g = update_loss_scale(np.float32(1), np.int32(2), np.bool_(False), 3)
+    assert float(s) == 1.0
+
+
+def test_donation_aliases_and_reuse():
+    world, model, plan, tx, state = setup("all", 32, "running")
+    batch = jax.device_put(random_batch(32), world.sharded())
+    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "running"),
+                              state, batch, donate_argnums=0)
+    # the same array twice in the donated state: de-aliased, not corrupted
+    aliased = state.replace(good_steps=state.skipped_steps)
+    new, _ = step(aliased, batch)
+    assert int(np.asarray(new.step)) == 1
+    assert int(np.asarray(new.good_steps)) == 0 and int(np.asarray(new.skipped_steps)) == 0
+    with pytest.raises(RuntimeError, match=r"argument \[0\]\.\w+ was donated to an earlier call"):
+        step(aliased, batch)
