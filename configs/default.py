@@ -37,4 +37,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0
     c.halt_on_nonfinite = False
     c.metrics_lag = 1              # host reads step t-1's metrics while step t runs
+    c.progress = True              # a progress bar per epoch (only on a terminal)
+    # checkpoints (orbax, under WORKDIR/checkpoints): after every epoch, and every N steps
+    c.checkpoint_every_steps = 0   # 0: at epoch ends only
+    c.keep_checkpoints = 3
+    c.resume = True                # continue from the newest readable checkpoint in WORKDIR
+    c.halt_after_steps = 0         # >0: save and stop after this step (preemption drills, tests)
     return c

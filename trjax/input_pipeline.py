@@ -75,31 +75,43 @@ def steps_per_epoch(num_examples: int, global_batch: int, remainder: str) -> int
 
 
 def iterate_batches(split: Split, global_batch: int, *, shuffle: bool, seed: int = 0,
-                    epoch: int = 0, remainder: str = "pad") -> Iterator[dict]:
+                    epoch: int = 0, remainder: str = "pad", rows: tuple | None = None,
+                    start: int = 0) -> Iterator[dict]:
     """Global batches of one epoch, padded (mask 0) or dropped at the end.
 
     The order is a permutation drawn from ``np.random.default_rng((seed,
     epoch))`` when ``shuffle``: deterministic per seed and epoch, and the same
     whatever the world size.
+
+    Args:
+      rows: ``(row_start, row_stop)``: yield only these rows of every global
+        batch (the rows this process feeds, :meth:`trjax.world.World.process_rows`);
+        only they are gathered. Default: all rows.
+      start: skip the first ``start`` batches (resuming mid-epoch).
     """
     n = len(split.labels)
+    lo, hi = rows if rows is not None else (0, global_batch)
     order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
-    for b in range(steps_per_epoch(n, global_batch, remainder)):
-        idx = order[b * global_batch:(b + 1) * global_batch]
+    for b in range(start, steps_per_epoch(n, global_batch, remainder)):
+        idx = order[b * global_batch:(b + 1) * global_batch][lo:hi]
         real = len(idx)
         images = split.images[idx]
         labels = split.labels[idx]
-        mask = np.ones(global_batch, np.float32)
-        if real < global_batch:
-            pad = global_batch - real
-            images = np.concatenate([images, np.zeros((pad,) + images.shape[1:], images.dtype)])
-            labels = np.concatenate([labels, np.zeros(pad, labels.dtype)])
+        mask = np.ones(hi - lo, np.float32)
+        if real < hi - lo:
+            pad = hi - lo - real
+            images = np.concatenate([images, np.zeros((pad,) + split.images.shape[1:],
+                                                      split.images.dtype)])
+            labels = np.concatenate([labels, np.zeros(pad, split.labels.dtype)])
             mask[real:] = 0.0
         yield {"image": images, "label": labels, "mask": mask}
 
 
 def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict:
     """The one host->device boundary: checks, casts and shards a host batch.
+
+    ``batch`` holds this process's rows of the global batch (all of them in a
+    single-process run); the result is the global batch, sharded.
 
     Labels must be integers in ``[0, num_classes)`` (checked on real rows);
     they become int32. Images are cast explicitly to ``dtype`` (float64 and
@@ -133,4 +145,6 @@ def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict
             raise ValueError(f"image value {images[pos].item()!r} at position {pos} is not finite")
     host = {"image": images.astype(dtype), "label": labels.astype(np.int32),
             "mask": mask.astype(np.float32)}
-    return jax.device_put(host, sharding)
+    # Rows of this process only (all rows with one process): each process
+    # hands over its part of the global batch.
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from typing import Any
 
@@ -26,7 +27,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import input_pipeline, models, optim, steps
+from trjax import checkpoint, input_pipeline, models, optim, steps
 from trjax.batchnorm import BN_MODES
 from trjax.precision import INITIAL_LOSS_SCALE, PRECISIONS, compute_dtype
 from trjax.world import check_batch_split, make_world
@@ -171,120 +172,196 @@ def evaluate_pass(tr: Trainer, state) -> dict:
     world = tr.world
     folded = tr.fold_bn(state)
     acc = jax.device_put(np.zeros((world.world_size, 4), np.float32), world.sharded())
+    rows = world.process_rows(tr.config.eval_batch_size)
     for batch in input_pipeline.iterate_batches(tr.data.val, tr.config.eval_batch_size,
-                                                shuffle=False):
+                                                shuffle=False, rows=rows):
         acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
             batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
     sums = np.asarray(tr.eval_reduce(acc))
     return {**_rates(sums), "count": int(sums[3]), "sums": sums.tolist()}
 
 
+class MetricsReader:
+    """Reads step metrics ``lag`` steps behind the dispatch (host side).
+
+    ``push(step, metrics)`` queues a step's device metrics; once more than
+    ``lag`` are queued the oldest is fetched (a few bytes, already computed),
+    added to the epoch sums, and a skipped (non-finite) step is logged with
+    its number, or raises when ``halt`` is set.
+    """
+
+    def __init__(self, lag: int, halt: bool, fp16: bool, log=print):
+        self.lag, self.halt, self.fp16, self.log = lag, halt, fp16, log
+        self.pending: collections.deque = collections.deque()
+        self.sums = np.zeros(4)
+        self.skipped: list[int] = []
+
+    def push(self, step: int, metrics) -> None:
+        self.pending.append((step, metrics))
+        self.drain(self.lag)
+
+    def drain(self, limit: int = 0) -> None:
+        while len(self.pending) > limit:
+            step, m = self.pending.popleft()
+            m = np.asarray(m)
+            self.sums += m[:4]
+            if m[4] == 0.0:
+                self.skipped.append(step)
+                msg = f"step {step}: non-finite gradient, update skipped on every replica"
+                if self.fp16:
+                    msg += " (fp16: loss scale halved)"
+                elif self.halt:
+                    raise FloatingPointError(msg + " (config.halt_on_nonfinite=True)")
+                self.log(msg)
+
+    def take(self) -> np.ndarray:
+        self.drain(0)
+        sums, self.sums = self.sums, np.zeros(4)
+        return sums
+
+
+def _progress(total: int, epoch: int, enabled: bool):
+    """A tqdm bar on a terminal; a no-op object elsewhere (CI, logs, files)."""
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=f"epoch {epoch}", unit="step", leave=False,
+                disable=not enabled, dynamic_ncols=True)
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        data: input_pipeline.Dataset | None = None):
-    """Trains and evaluates.
+    """Trains and evaluates, checkpointing under ``workdir/checkpoints``.
+
+    Resumes by default from the newest readable checkpoint in ``workdir``
+    (``config.resume``), at the exact step and data position it was saved at.
 
     Args:
       config: see ``configs/default.py``.
-      workdir: where ``metrics.jsonl`` and ``summary.json`` go.
+      workdir: where ``metrics.jsonl``, ``summary.json`` and checkpoints go.
       data: optional in-memory :class:`trjax.input_pipeline.Dataset`.
 
     Returns:
       ``(state, summary)``: the final :class:`trjax.steps.TrainState` and the
-      summary dict (also written to ``summary.json``).
+      summary dict (also written to ``summary.json`` by process 0).
 
     Raises:
       ValueError: an invalid config, device spec or batch split (before any
-        compilation).
+        compilation), or an incompatible checkpoint.
       FloatingPointError: a skipped non-finite step when
         ``config.halt_on_nonfinite``.
     """
     t_start = time.perf_counter()
     tr = setup(config, data)
     world, data, plan, schedule, state = tr.world, tr.data, tr.plan, tr.schedule, tr.state
-    train_step, fold_bn, eval_step, eval_reduce = tr.compiled
-    compiled, train_steps = tr.compiled, tr.steps_per_epoch
-    total_steps = train_steps * config.num_epochs
+    train_step = tr.train_step
+    steps_per_epoch = tr.steps_per_epoch
+    total_steps = steps_per_epoch * config.num_epochs
+    lead = jax.process_index() == 0
+    say = print if lead else (lambda *a, **k: None)
     os.makedirs(workdir, exist_ok=True)
-    print(f"world_size={world.world_size} devices={[d.id for d in world.devices]} "
-          f"({world.devices[0].platform}) global_batch={world.global_batch_size} "
-          f"local_batch={world.local_batch_size} bn_mode={config.bn_mode}")
-    print("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
-                                  for b, n in plan.bucket_sizes.items()) +
-          f"; compile {sum(c.compile_s for c in compiled):.1f}s")
+    say(f"world_size={world.world_size} devices={[d.id for d in world.devices]} "
+        f"({world.devices[0].platform}, {jax.process_count()} process(es)) "
+        f"global_batch={world.global_batch_size} local_batch={world.local_batch_size} "
+        f"bn_mode={config.bn_mode} precision={config.precision}")
+    say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
+                                for b, n in plan.bucket_sizes.items()) +
+        f"; compile {sum(c.compile_s for c in tr.compiled):.1f}s")
 
-    def evaluate(state) -> dict:
-        return evaluate_pass(tr, state)
+    # -- checkpoints and resume ---------------------------------------------
+    ckpt = checkpoint.manager(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+    expect = {k: config[k] for k in checkpoint.COMPATIBLE_FIELDS}
+    start_epoch, start_batch = 1, 0
+    if config.resume:
+        restored = checkpoint.restore_latest(ckpt, state, expect, log=say)
+        if restored is not None:
+            state, meta = restored
+            start_epoch, start_batch = int(meta["epoch"]), int(meta["batch"])
+            say(f"resumed from step {int(np.asarray(state.step))} "
+                f"(epoch {start_epoch}, batch {start_batch})")
 
-    # learning rate per step, for the log (evaluated once: no op compiled in the loop)
+    def save(epoch: int, batch: int) -> None:
+        checkpoint.save(ckpt, state, {**expect, "epoch": epoch, "batch": batch,
+                                      "world_size": world.world_size})
+
+    rows = world.process_rows()
     lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
-    history = []
+    history, train_time, train_images = [], 0.0, 0
+    reader = MetricsReader(config.metrics_lag, config.halt_on_nonfinite,
+                           config.precision == "fp16", log=say)
+    show_bar = lead and config.progress and sys.stderr.isatty()
     metrics_path = os.path.join(workdir, "metrics.jsonl")
-    train_time, train_images, skipped = 0.0, 0, 0
-    with open(metrics_path, "w") as log, count_backend_compiles() as loop_compiles:
-        for epoch in range(1, config.num_epochs + 1):
+    halted = False
+    val = None
+    with open(metrics_path, "a" if start_epoch > 1 or start_batch else "w") if lead \
+            else contextlib.nullcontext() as log, count_backend_compiles() as loop_compiles:
+        for epoch in range(start_epoch, config.num_epochs + 1):
             t0 = time.perf_counter()
-            sums = np.zeros(4)
-            pending: collections.deque = collections.deque()
-            batches = input_pipeline.iterate_batches(data.train, world.global_batch_size,
-                                                     shuffle=True, seed=config.seed, epoch=epoch,
-                                                     remainder=config.train_remainder)
-            step_index = (epoch - 1) * train_steps
-
-            def drain(limit):
-                nonlocal sums, skipped
-                while len(pending) > limit:
-                    i, m = pending.popleft()
-                    m = np.asarray(m)
-                    sums += m[:4]
-                    if m[4] == 0.0:
-                        skipped += 1
-                        msg = f"step {i}: non-finite gradient, update skipped on every replica"
-                        if config.precision == "fp16":
-                            msg += " (fp16: loss scale halved)"
-                        elif config.halt_on_nonfinite:
-                            raise FloatingPointError(msg + " (config.halt_on_nonfinite=True)")
-                        print(msg)
-
-            for batch in batches:
-                step_index += 1
-                state, m = train_step(state, input_pipeline.to_device(
-                    batch, world.sharded(), data.num_classes, tr.dtype))
-                pending.append((step_index, m))
-                drain(config.metrics_lag)
-            drain(0)
+            first = start_batch if epoch == start_epoch else 0
+            step_index = (epoch - 1) * steps_per_epoch + first
+            batches = input_pipeline.iterate_batches(
+                data.train, world.global_batch_size, shuffle=True, seed=config.seed, epoch=epoch,
+                remainder=config.train_remainder, rows=rows, start=first)
+            with _progress(steps_per_epoch - first, epoch, show_bar) as bar:
+                for b, batch in enumerate(batches, start=first + 1):
+                    step_index += 1
+                    state, m = train_step(state, input_pipeline.to_device(
+                        batch, world.sharded(), data.num_classes, tr.dtype))
+                    reader.push(step_index, m)
+                    bar.update(1)
+                    if bar.n % 10 == 0 and reader.sums[3]:
+                        bar.set_postfix(loss=f"{reader.sums[0] / reader.sums[3]:.4f}",
+                                        img_s=f"{reader.sums[3] / (time.perf_counter() - t0):.0f}")
+                    if config.checkpoint_every_steps and step_index % config.checkpoint_every_steps == 0 \
+                            and b < steps_per_epoch:
+                        reader.drain(0)
+                        save(epoch, b)
+                    if config.halt_after_steps and step_index >= config.halt_after_steps:
+                        halted = True
+                        break
+            sums = reader.take()
             epoch_s = time.perf_counter() - t0
             train_time += epoch_s
             train_images += int(sums[3])
-            val = evaluate(state)
+            if halted:
+                save(epoch, b) if b < steps_per_epoch else save(epoch + 1, 0)
+                say(f"halted after step {step_index} (config.halt_after_steps); checkpoint saved")
+                break
+            val = evaluate_pass(tr, state)
+            save(epoch + 1, 0)
             row = {"epoch": epoch, "step": step_index,
                    **{f"train_{k}": v for k, v in _rates(sums).items()},
                    **{f"val_{k}": val[k] for k in ("loss", "top1", "top5")},
                    "images_per_s": sums[3] / epoch_s, "epoch_s": epoch_s,
                    "lr": float(lr_table[step_index])}
             history.append(row)
-            log.write(json.dumps(row) + "\n")
-            log.flush()
-            print(f"epoch {epoch:3d}  train loss {row['train_loss']:.4f} top1 {row['train_top1']:.4f}"
-                  f"  | val loss {row['val_loss']:.4f} top1 {row['val_top1']:.4f} "
-                  f"top5 {row['val_top5']:.4f}  | {row['images_per_s']:.0f} img/s")
+            if lead:
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+            say(f"epoch {epoch:3d}  train loss {row['train_loss']:.4f} top1 {row['train_top1']:.4f}"
+                f"  | val loss {row['val_loss']:.4f} top1 {row['val_top1']:.4f} "
+                f"top5 {row['val_top5']:.4f}  | {row['images_per_s']:.0f} img/s")
 
-    final = history[-1]
+    if val is None:  # resumed at the very end, or halted before any evaluation
+        val = evaluate_pass(tr, state)
     summary = {
-        "val_top1": final["val_top1"], "val_top5": final["val_top5"], "val_loss": final["val_loss"],
+        "val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
         "val_examples": val["count"],
-        "world_size": world.world_size, "global_batch_size": world.global_batch_size,
+        "world_size": world.world_size, "process_count": jax.process_count(),
+        "global_batch_size": world.global_batch_size,
         "local_batch_size": world.local_batch_size, "platform": world.devices[0].platform,
-        "bn_mode": config.bn_mode, "precision": config.precision, "model": config.model, "dataset": config.dataset,
-        "epochs": config.num_epochs, "steps": int(np.asarray(state.step)),
+        "bn_mode": config.bn_mode, "precision": config.precision, "model": config.model,
+        "dataset": config.dataset, "epochs": config.num_epochs,
+        "steps": int(np.asarray(state.step)), "halted": halted,
         "skipped_steps": int(np.asarray(state.skipped_steps)),
+        "skipped_step_numbers": reader.skipped,
         "loss_scale": float(np.asarray(state.loss_scale)),
-        "train_images_per_s": train_images / train_time,
-        "compiles": {c.name: 1 for c in compiled},
+        "train_images_per_s": train_images / train_time if train_time else 0.0,
+        "compiles": {c.name: 1 for c in tr.compiled},
         "compiles_during_training": loop_compiles[0],
-        "compile_s": {c.name: round(c.compile_s, 3) for c in compiled},
+        "compile_s": {c.name: round(c.compile_s, 3) for c in tr.compiled},
         "memory_plan": plan.describe(),
         "wall_s": time.perf_counter() - t_start,
     }
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    if lead:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
     return state, summary

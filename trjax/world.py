@@ -46,6 +46,25 @@ class World:
     def axis_name(self) -> str:
         return DATA_AXIS
 
+    def process_rows(self, global_batch: int | None = None) -> tuple[int, int]:
+        """Rows ``[start, stop)`` of every global batch that this process feeds.
+
+        Rank r holds rows ``[r * local, (r + 1) * local)`` with ``local =
+        global_batch // world_size`` (default: the training global batch); a
+        process feeds the rows of its own devices, which must be contiguous ranks.
+
+        Raises:
+          ValueError: this process's devices are not contiguous in rank order.
+        """
+        mine = [r for r, d in enumerate(self.devices) if d.process_index == jax.process_index()]
+        if not mine:
+            return 0, 0
+        if mine != list(range(mine[0], mine[-1] + 1)):
+            raise ValueError(f"process {jax.process_index()} owns ranks {mine}, which are not "
+                             "contiguous; list the devices process by process")
+        local = (global_batch or self.global_batch_size) // self.world_size
+        return mine[0] * local, (mine[-1] + 1) * local
+
     def replicated(self) -> NamedSharding:
         """Sharding of a value held whole and identical on every device."""
         return NamedSharding(self.mesh, P())
