@@ -43,4 +43,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.resume = True                # continue from the newest readable checkpoint in WORKDIR
     c.halt_after_steps = 0         # >0: save and stop after this step (preemption drills, tests)
+    # multi-host (jax.distributed): see scripts/launch_local.py for N processes on one machine
+    c.distributed = ml_collections.ConfigDict()
+    c.distributed.coordinator = ""         # "host:port" of process 0
+    c.distributed.num_processes = 1
+    c.distributed.process_id = 0
+    c.distributed.auto = False             # let jax.distributed detect SLURM / Open MPI / ...
+    c.distributed.heartbeat_timeout_s = 30  # a dead peer makes the survivors exit after ~this
+    c.step_timeout_s = 600                 # watchdog: exit non-zero if no step finishes this long
     return c

@@ -28,11 +28,25 @@ def main(argv):
     config = flags.FLAGS.config
     # Only the CPU backend reads this; it must be set before any device is used.
     jax.config.update("jax_num_cpu_devices", int(config.cpu_devices))
+    from trjax import distributed
+    d = config.distributed
+    distributed.initialize(d.coordinator, d.num_processes, d.process_id, auto=d.auto,
+                           heartbeat_timeout_s=d.heartbeat_timeout_s)
     from trjax.train import train_and_evaluate
-    _, summary = train_and_evaluate(config, flags.FLAGS.workdir)
-    print(f"val_top1={summary['val_top1']:.4f} val_top5={summary['val_top5']:.4f} "
-          f"world_size={summary['world_size']} wall_s={summary['wall_s']:.1f} "
-          f"-> {os.path.join(flags.FLAGS.workdir, 'summary.json')}")
+    try:
+        _, summary = train_and_evaluate(config, flags.FLAGS.workdir)
+    except jax.errors.JaxRuntimeError as e:
+        if jax.process_count() > 1:
+            print(f"trjax: a collective failed on process {jax.process_index()}: "
+                  f"{str(e).splitlines()[0][:300]}\ntrjax: a peer process has probably died; "
+                  "exiting non-zero. The distributed runtime names the lost process "
+                  "('Task N heartbeat timeout') once its heartbeat times out "
+                  f"({d.heartbeat_timeout_s} s).", file=sys.stderr, flush=True)
+        raise
+    if jax.process_index() == 0:
+        print(f"val_top1={summary['val_top1']:.4f} val_top5={summary['val_top5']:.4f} "
+              f"world_size={summary['world_size']} wall_s={summary['wall_s']:.1f} "
+              f"-> {os.path.join(flags.FLAGS.workdir, 'summary.json')}")
 
 
 if __name__ == "__main__":

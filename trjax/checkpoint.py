@@ -28,6 +28,8 @@ import flax
 import jax
 import orbax.checkpoint as ocp
 
+from trjax.world import host_value
+
 COMPATIBLE_FIELDS = ("model", "bn_mode", "global_batch_size", "dataset", "optimizer",
                      "precision", "seed")
 
@@ -47,7 +49,7 @@ def manager(directory: str, max_to_keep: int = 3) -> ocp.CheckpointManager:
 
 def save(mngr: ocp.CheckpointManager, state, meta: dict) -> None:
     """Saves ``state`` and ``meta`` (JSON-able) under ``int(state.step)``."""
-    step = int(jax.device_get(state.step))
+    step = int(host_value(state.step))
     mngr.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(flax.serialization.to_state_dict(state)),
         meta=ocp.args.JsonSave(meta)), force=True)

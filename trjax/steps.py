@@ -44,7 +44,7 @@ from trjax.batchnorm import fold_batchnorm_tree
 from trjax.plan import METRICS, MemoryPlan, make_plan
 from trjax.precision import update_loss_scale
 from trjax.regions import assign_regions
-from trjax.world import DATA_AXIS, World
+from trjax.world import DATA_AXIS, World, host_value
 
 
 @flax.struct.dataclass
@@ -122,11 +122,11 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
     # rank r initialises with fold_in(rng, r): rank 0's key, hence the broadcast
     # parameters, do not depend on the world size.
     keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(np.arange(n))
-    keys = jax.device_put(keys, world.sharded())
+    keys = world.put(np.asarray(jax.random.key_data(keys)), world.sharded())
 
-    def init_local(key):
+    def init_local(key_data):
         x = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
-        variables = model.init(key[0], x, train=False)
+        variables = model.init(jax.random.wrap_key_data(key_data[0]), x, train=False)
         variables = collectives.broadcast_from_rank0(variables, DATA_AXIS)
         return variables["params"], variables["batch_stats"]
 
@@ -135,10 +135,10 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
     params, batch_stats = init(keys)
     if bn_mode == "local":
         batch_stats = jax.tree_util.tree_map(
-            lambda x: jax.device_put(np.broadcast_to(np.asarray(x), (n,) + x.shape),
-                                     world.sharded()), batch_stats)
+            lambda x: world.put(np.broadcast_to(host_value(x), (n,) + x.shape), world.sharded()),
+            batch_stats)
     opt_state = jax.jit(tx.init, out_shardings=world.replicated())(params)
-    scalar = lambda v, dt: jax.device_put(np.asarray(v, dt), world.replicated())
+    scalar = lambda v, dt: world.put(np.asarray(v, dt))
     state = TrainState(step=scalar(0, np.int32), params=params, batch_stats=batch_stats,
                        opt_state=opt_state, skipped_steps=scalar(0, np.int32),
                        loss_scale=scalar(loss_scale, np.float32), good_steps=scalar(0, np.int32))

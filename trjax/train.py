@@ -27,10 +27,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import checkpoint, input_pipeline, models, optim, steps
+from trjax import checkpoint, distributed, input_pipeline, models, optim, steps
 from trjax.batchnorm import BN_MODES
 from trjax.precision import INITIAL_LOSS_SCALE, PRECISIONS, compute_dtype
-from trjax.world import check_batch_split, make_world
+from trjax.world import check_batch_split, host_value, make_world
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -171,13 +171,13 @@ def evaluate_pass(tr: Trainer, state) -> dict:
     """
     world = tr.world
     folded = tr.fold_bn(state)
-    acc = jax.device_put(np.zeros((world.world_size, 4), np.float32), world.sharded())
+    acc = world.put(np.zeros((world.world_size, 4), np.float32), world.sharded())
     rows = world.process_rows(tr.config.eval_batch_size)
     for batch in input_pipeline.iterate_batches(tr.data.val, tr.config.eval_batch_size,
                                                 shuffle=False, rows=rows):
         acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
             batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
-    sums = np.asarray(tr.eval_reduce(acc))
+    sums = host_value(tr.eval_reduce(acc))
     return {**_rates(sums), "count": int(sums[3]), "sums": sums.tolist()}
 
 
@@ -203,7 +203,7 @@ class MetricsReader:
     def drain(self, limit: int = 0) -> None:
         while len(self.pending) > limit:
             step, m = self.pending.popleft()
-            m = np.asarray(m)
+            m = host_value(m)
             self.sums += m[:4]
             if m[4] == 0.0:
                 self.skipped.append(step)
@@ -266,6 +266,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                                 for b, n in plan.bucket_sizes.items()) +
         f"; compile {sum(c.compile_s for c in tr.compiled):.1f}s")
 
+    # -- every process must run the same job from the same parameters ---------
+    distributed.check_agree({
+        "steps_per_epoch": steps_per_epoch, "train_examples": len(data.train.labels),
+        "val_examples": len(data.val.labels), "world_size": world.world_size,
+        **{k: config[k] for k in checkpoint.COMPATIBLE_FIELDS}})
+    distributed.check_agree({"initial params checksum": distributed.tree_checksum(state.params)})
+
     # -- checkpoints and resume ---------------------------------------------
     ckpt = checkpoint.manager(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
     expect = {k: config[k] for k in checkpoint.COMPATIBLE_FIELDS}
@@ -275,7 +282,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         if restored is not None:
             state, meta = restored
             start_epoch, start_batch = int(meta["epoch"]), int(meta["batch"])
-            say(f"resumed from step {int(np.asarray(state.step))} "
+            say(f"resumed from step {int(host_value(state.step))} "
                 f"(epoch {start_epoch}, batch {start_batch})")
 
     def save(epoch: int, batch: int) -> None:
@@ -291,8 +298,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     metrics_path = os.path.join(workdir, "metrics.jsonl")
     halted = False
     val = None
+    watchdog = distributed.StepWatchdog(config.step_timeout_s)
     with open(metrics_path, "a" if start_epoch > 1 or start_batch else "w") if lead \
-            else contextlib.nullcontext() as log, count_backend_compiles() as loop_compiles:
+            else contextlib.nullcontext() as log, count_backend_compiles() as loop_compiles, \
+            watchdog:
         for epoch in range(start_epoch, config.num_epochs + 1):
             t0 = time.perf_counter()
             first = start_batch if epoch == start_epoch else 0
@@ -306,6 +315,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                     state, m = train_step(state, input_pipeline.to_device(
                         batch, world.sharded(), data.num_classes, tr.dtype))
                     reader.push(step_index, m)
+                    watchdog.beat(step_index - config.metrics_lag)
                     bar.update(1)
                     if bar.n % 10 == 0 and reader.sums[3]:
                         bar.set_postfix(loss=f"{reader.sums[0] / reader.sums[3]:.4f}",
@@ -327,6 +337,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                 break
             val = evaluate_pass(tr, state)
             save(epoch + 1, 0)
+            watchdog.beat(step_index)
             row = {"epoch": epoch, "step": step_index,
                    **{f"train_{k}": v for k, v in _rates(sums).items()},
                    **{f"val_{k}": val[k] for k in ("loss", "top1", "top5")},
@@ -350,10 +361,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         "local_batch_size": world.local_batch_size, "platform": world.devices[0].platform,
         "bn_mode": config.bn_mode, "precision": config.precision, "model": config.model,
         "dataset": config.dataset, "epochs": config.num_epochs,
-        "steps": int(np.asarray(state.step)), "halted": halted,
-        "skipped_steps": int(np.asarray(state.skipped_steps)),
+        "steps": int(host_value(state.step)), "halted": halted,
+        "skipped_steps": int(host_value(state.skipped_steps)),
         "skipped_step_numbers": reader.skipped,
-        "loss_scale": float(np.asarray(state.loss_scale)),
+        "loss_scale": float(host_value(state.loss_scale)),
         "train_images_per_s": train_images / train_time if train_time else 0.0,
         "compiles": {c.name: 1 for c in tr.compiled},
         "compiles_during_training": loop_compiles[0],

@@ -65,6 +65,16 @@ class World:
         local = (global_batch or self.global_batch_size) // self.world_size
         return mine[0] * local, (mine[-1] + 1) * local
 
+    def put(self, x, sharding: NamedSharding | None = None) -> jax.Array:
+        """A host array, identical on every process, as a global array.
+
+        Works with one or many processes (``jax.device_put`` cannot target
+        devices of other processes). Default sharding: replicated.
+        """
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, sharding or self.replicated(),
+                                            lambda idx: x[idx])
+
     def replicated(self) -> NamedSharding:
         """Sharding of a value held whole and identical on every device."""
         return NamedSharding(self.mesh, P())
@@ -72,6 +82,12 @@ class World:
     def sharded(self) -> NamedSharding:
         """Sharding of a value split over devices along its leading axis."""
         return NamedSharding(self.mesh, P(DATA_AXIS))
+
+
+def host_value(x) -> np.ndarray:
+    """A replicated global array as numpy, read from this process's first shard
+    (valid with many processes, where ``np.asarray`` of a global array is not)."""
+    return np.asarray(x.addressable_shards[0].data) if isinstance(x, jax.Array) else np.asarray(x)
 
 
 def parse_device_spec(spec: str | int, num_available: int) -> list[int]:

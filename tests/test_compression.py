@@ -1,0 +1,215 @@
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from trjax import comm
+from trjax import compression as C
+
+N = 4
+
+
+def mesh_1d(n=N):
+    return Mesh(np.array(jax.devices()[:n]), ("data",))
+
+
+def state_specs(state):
+    """error is per device (P("data") over [N * n]); everything else replicated."""
+    return {k: (P("data") if k == "error" else P()) for k in state} if isinstance(state, dict) else ()
+
+
+def global_state(state, n_ranks=N):
+    if not isinstance(state, dict):
+        return state
+    return {k: (jnp.tile(v, n_ranks) if k == "error" else v) for k, v in state.items()}
+
+
+def make_step(comp, n, n_ranks=N):
+    """A jitted shard_map step: ([N * n] buffers, state) -> ([N, n] per-device
+    results, state); every device's result comes back as a row."""
+    state0 = comp.init(jax.ShapeDtypeStruct((n,), jnp.float32))
+    specs = state_specs(state0)
+
+    def local(buf, state):
+        reduced, new_state = comp.allreduce(buf, state, "data")
+        return reduced[None], new_state
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh_1d(n_ranks), in_specs=(P("data"), specs),
+                              out_specs=(P("data"), specs)))
+    return f, global_state(state0, n_ranks)
+
+
+def grads(n, seed=0, n_ranks=N, scale=1.0):
+    return (scale * np.random.default_rng(seed).normal(size=(n_ranks, n))).astype(np.float32)
+
+
+def psum_ref(g):
+    f = jax.jit(jax.shard_map(lambda a: lax.psum(a[0], "data")[None], mesh=mesh_1d(g.shape[0]),
+                              in_specs=P("data"), out_specs=P("data")))
+    return np.asarray(f(g))[0]
+
+
+def assert_replicated(rows):
+    assert all(r.tobytes() == rows[0].tobytes() for r in rows)
+
+
+# --------------------------------------------------------------------------- casts
+
+@pytest.mark.parametrize("name,wire,rtol", [("bf16", "bf16", 2 ** -7), ("fp16", "f16", 2 ** -9)])
+def test_cast_close_to_psum_and_carries_the_low_dtype(name, wire, rtol):
+    n = 64
+    g = grads(n, seed=1)
+    comp = C.make_compressor(name)
+    f, state = make_step(comp, n)
+    out, new_state = f(g.reshape(-1), state)
+    out = np.asarray(out)
+    assert out.dtype == np.float32 and new_state == ()
+    assert_replicated(out)
+    ref = psum_ref(g)
+    # each input rounded once (and the sum once more): error within a few ulps of the wire dtype
+    np.testing.assert_allclose(out[0], ref, rtol=0, atol=rtol * (np.abs(g).sum(0).max() + 1))
+    assert not np.array_equal(out[0], ref)  # it really went through 16 bits
+
+    # the all-reduce the program asks for carries the 16-bit dtype (half the bytes)
+    lowered = f.lower(g.reshape(-1), state)
+    ars = [l for l in lowered.as_text(dialect="hlo").splitlines() if " all-reduce(" in l]
+    assert len(ars) == 1 and re.search(rf"= {wire}\[{n}\]", ars[0]), ars
+    compiled = comm.collectives_in_hlo(lowered.compile().as_text())
+    assert [c["kind"] for c in compiled] == ["all-reduce"]
+    if wire == "f16" or jax.default_backend() != "cpu":
+        assert compiled[0]["operands"][0]["dtype"] == wire and compiled[0]["bytes"] == 2 * n
+    else:  # XLA:CPU promotes a bf16 all-reduce to f32 (documented caveat)
+        assert compiled[0]["operands"][0]["dtype"] in ("bf16", "f32")
+
+
+def test_fp16_prescale_avoids_overflow():
+    g = np.full((N, 8), 30000.0, np.float32)  # sum 120000 > float16 max 65504
+    out, _ = make_step(C.fp16(), 8)[0](g.reshape(-1), ())
+    np.testing.assert_allclose(np.asarray(out), 120000.0, rtol=1e-3)
+    out, _ = make_step(C.fp16(prescale=False), 8)[0](g.reshape(-1), ())
+    assert np.isinf(np.asarray(out)).all()
+
+
+# --------------------------------------------------------------------------- PowerSGD
+
+def test_powersgd_state_shapes_and_matrix_view():
+    assert C.powersgd_matrix_shape(50) == (8, 7)
+    assert C.powersgd_matrix_shape(64) == (8, 8)
+    assert C.powersgd_matrix_shape(1) == (1, 1)
+    st = C.powersgd(rank=2).init(jnp.zeros(50))
+    assert st["error"].shape == (50,) and st["error"].dtype == jnp.float32
+    assert st["q"].shape == (7, 2) and st["q"].dtype == jnp.float32
+    assert not np.any(np.asarray(st["error"]))
+    with pytest.raises(ValueError, match="rank 8 exceeds.*7 columns"):
+        C.powersgd(rank=8).init(jnp.zeros(50))
+    with pytest.raises(ValueError, match="rank.*0"):
+        C.powersgd(rank=0)
+    with pytest.raises(ValueError, match=r"\(5, 10\)"):
+        C.powersgd().init(jnp.zeros((5, 10)))
+
+
+def test_powersgd_full_rank_reproduces_the_sum():
+    n = 50
+    g = grads(n, seed=2)
+    f, state = make_step(C.powersgd(rank=7), n)  # [8, 7]: rank 7 is full rank
+    out, st = f(g.reshape(-1), state)
+    out = np.asarray(out)
+    assert_replicated(out)
+    np.testing.assert_allclose(out[0], g.sum(0), rtol=1e-4, atol=1e-4)
+    # P^ spans the column space of the SUM (7 of 8 dims), not each device's:
+    # the per-device errors are not zero, but they cancel over devices
+    err = np.asarray(st["error"]).reshape(N, n)
+    assert np.abs(err.sum(0)).max() < 1e-4
+    assert st["error"].shape == (N * n,) and st["q"].shape == (7, 7)
+    # two all-reduces: P ([rows, r]) then Q ([cols, r])
+    cols = comm.collectives_in_hlo(f.lower(g.reshape(-1), state).compile().as_text())
+    assert [(c["kind"], c["elements"]) for c in cols] == [("all-reduce", 8 * 7), ("all-reduce", 7 * 7)]
+
+
+def test_powersgd_error_feedback_recovers_the_sum_over_steps():
+    n, steps = 50, 40
+    g = grads(n, seed=3)  # the same gradient every step
+    f, state = make_step(C.powersgd(rank=1), n)
+    true = g.sum(0).astype(np.float64)
+    total = np.zeros(n)
+    rel = []
+    for t in range(steps):
+        out, state = f(g.reshape(-1), state)
+        out = np.asarray(out)
+        assert_replicated(out)
+        total += out[0]
+        rel.append(np.abs(total / (t + 1) - true).max() / np.abs(true).max())
+    # nothing lost, only delayed: outputs + what the devices still hold == every gradient sent
+    held = np.asarray(state["error"], np.float64).reshape(N, n).sum(0)
+    np.testing.assert_allclose(total + held, steps * true, rtol=0, atol=1e-3)
+    # so the running mean of the rank-1 outputs converges to the true sum
+    assert rel[0] > 0.5 and rel[-1] < 0.2 and rel[-1] < rel[0] / 4
+    assert state["q"].shape == (7, 1)
+
+
+# --------------------------------------------------------------------------- top-k
+
+@pytest.mark.parametrize("method", ["dense", "allgather"])
+def test_topk_ratio_one_is_psum(method):
+    n = 40
+    g = grads(n, seed=4)
+    f, state = make_step(C.topk(1.0, method=method), n)
+    out, st = f(g.reshape(-1), state)
+    out = np.asarray(out)
+    assert_replicated(out)
+    if method == "dense":
+        assert out[0].tobytes() == psum_ref(g).tobytes()
+    else:
+        np.testing.assert_allclose(out[0], g.sum(0), rtol=1e-6, atol=1e-6)
+    assert not np.any(np.asarray(st["error"]))
+
+
+@pytest.mark.parametrize("method", ["dense", "allgather"])
+def test_topk_error_feedback_keeps_the_residual(method):
+    n, ratio, steps = 40, 0.1, 3
+    k = C.topk_k(n, ratio)
+    assert k == 4
+    g = grads(n, seed=5)
+    f, state = make_step(C.topk(ratio, method=method), n)
+    error = np.zeros((N, n), np.float32)
+    total = np.zeros(n)
+    for _ in range(steps):
+        out, state = f(g.reshape(-1), state)
+        out = np.asarray(out)
+        assert_replicated(out)
+        # numpy reference: each device sends its k largest |g + error|, keeps the rest
+        acc = g + error
+        sent = np.zeros_like(acc)
+        for i in range(N):
+            top = np.argsort(-np.abs(acc[i]), kind="stable")[:k]
+            sent[i, top] = acc[i, top]
+        error = acc - sent
+        np.testing.assert_allclose(out[0], sent.sum(0), rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(state["error"]).reshape(N, n), error)
+        assert ((np.asarray(state["error"]).reshape(N, n) == 0).sum(1) == k).all()
+        total += out[0]
+    np.testing.assert_allclose(total + error.sum(0), steps * g.sum(0), rtol=0, atol=1e-4)
+    hlo = f.lower(g.reshape(-1), state).compile().as_text()
+    kinds = [(c["kind"], c["elements"]) for c in comm.collectives_in_hlo(hlo)]
+    if method == "allgather":  # k indices + k values per device, one all-gather
+        assert kinds == [("all-gather", N * 2 * k)]
+    else:
+        assert kinds == [("all-reduce", n)]
+
+
+def test_bad_options_raise_naming_the_value():
+    with pytest.raises(ValueError, match="'zip'"):
+        C.make_compressor("zip")
+    with pytest.raises(ValueError, match="ratio.*0.0"):
+        C.topk(0.0)
+    with pytest.raises(ValueError, match="ratio.*1.5"):
+        C.topk(1.5)
+    with pytest.raises(ValueError, match="'sparse'"):
+        C.topk(0.5, method="sparse")
+    with pytest.raises(ValueError, match=r"\(2, 3\)"):
+        C.bf16().init(jnp.zeros((2, 3)))

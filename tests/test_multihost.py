@@ -1,0 +1,70 @@
+"""Several processes on jax.distributed (gloo on CPU), launched on 127.0.0.1."""
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from helpers import max_rel, to_host
+from test_train import small_config
+from trjax import checkpoint
+from trjax.train import train_and_evaluate
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+TRAIN = [os.path.join(ROOT, "scripts", "train.py"), "--config", os.path.join(ROOT, "configs", "default.py"),
+         "--config.model=resnet8", "--config.progress=False"]
+
+
+def _env():
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)  # each process simulates its own 4 devices
+    return env
+
+
+def test_two_processes_match_one_process(tmp_path):
+    opts = ["--config.num_epochs=1", "--config.bn_mode=sync"]
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--num_processes", "2",
+           "--cpu_devices", "4", "--", *TRAIN, "--workdir", str(tmp_path / "mh"), *opts]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "(cpu, 2 process(es))" in out.stdout and "exit codes [0, 0]" in out.stdout
+    cfg = small_config(num_epochs=1, bn_mode="sync")
+    state, summary = train_and_evaluate(cfg, str(tmp_path / "single"))
+    mngr = checkpoint.manager(str(tmp_path / "mh" / "checkpoints"))
+    expect = {k: cfg[k] for k in checkpoint.COMPATIBLE_FIELDS}
+    multi, meta = checkpoint.restore_latest(mngr, state, expect)
+    assert meta["world_size"] == 8 and int(np.asarray(multi.step)) == summary["steps"]
+    assert max_rel(to_host(multi.params), to_host(state.params)) <= 1e-5
+    assert max_rel(to_host(multi.batch_stats), to_host(state.batch_stats)) <= 1e-5
+
+
+def test_killed_peer_makes_the_survivor_exit_nonzero(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for i in range(2):
+        procs.append(subprocess.Popen(
+            [sys.executable, *TRAIN, "--workdir", str(tmp_path), "--config.num_epochs=100",
+             f"--config.distributed.coordinator=127.0.0.1:{port}",
+             "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+             "--config.cpu_devices=4", "--config.distributed.heartbeat_timeout_s=10"],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()))
+    try:
+        for line in procs[0].stdout:  # wait until training is under way
+            if "epoch   1" in line:
+                break
+        procs[1].kill()
+        t0 = time.monotonic()
+        rest = procs[0].communicate(timeout=90)[0]
+        elapsed = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert procs[0].returncode != 0
+    assert elapsed < 60
+    assert "a peer process has probably died" in rest
+    assert "Task 1 heartbeat timeout" in rest
