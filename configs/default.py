@@ -22,6 +22,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.model = "resnet20"
     c.bn_mode = "running"          # "running" (seed), "sync" (SyncBatchNorm), "local"
     c.bn_momentum = 0.9
+    # communication
+    c.buckets = "two"              # "two" (seed), "tail_minimal", "size:<MB>", "per_leaf"
+    c.allreduce = "xla"            # "xla" (psum -> NCCL), "ring", "halving_doubling", "tree"
+    c.compression = "none"         # "none", "bf16", "fp16", "powersgd", "topk"
+    c.powersgd_rank = 2
+    c.topk_ratio = 0.01
     c.precision = "fp32"           # "fp32", "bf16" (fp32 master weights), "fp16" (dynamic loss scale)
     c.loss_scale_growth_interval = 2000  # fp16: double the loss scale after this many good steps
     # optimisation

@@ -63,6 +63,7 @@ def test_plan_layout_and_roundtrip():
     assert [r.region for r in plan.regions if r.bucket == "first"] == list(BUCKETS["first"])
     assert plan.region(Region.RESULT).size == len(METRICS)
     assert plan.region(Region.RESULT).offset + len(METRICS) == plan.bucket_sizes["deep"]
+    assert plan.metrics_slot == ("deep", plan.bucket_sizes["deep"] - len(METRICS))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(v["params"]))
     assert plan.gradient_elements == n_params
     assert sum(plan.bucket_sizes.values()) == n_params + len(METRICS)
@@ -80,3 +81,41 @@ def test_plan_layout_and_roundtrip():
                                   grads["stem_conv"]["kernel"].ravel())
     # the plan is a pure function of the model: identical when rebuilt
     assert steps.build_plan(model, (8, 8, 1)).describe() == plan.describe()
+
+
+@pytest.mark.parametrize("policy", ["two", "tail_minimal", "size:0.1", "per_leaf"])
+def test_bucket_policies_cover_every_leaf_once(policy):
+    model = models.create_model("resnet20", num_classes=10)
+    plan = steps.build_plan(model, (8, 8, 1), policy)
+    v = _variables(model, (8, 8, 1))
+    n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(v["params"]))
+    assert sum(plan.bucket_sizes.values()) == n_params + len(METRICS)
+    covered = {b: np.zeros(n, int) for b, n in plan.bucket_sizes.items()}
+    for s in plan.slots:
+        covered[s.bucket][s.offset:s.offset + s.size] += 1
+    b, o = plan.metrics_slot
+    covered[b][o:o + len(METRICS)] += 1
+    assert all((c == 1).all() for c in covered.values())
+    rng = np.random.default_rng(0)
+    grads = jax.tree_util.tree_map(lambda x: rng.normal(size=x.shape).astype(np.float32), v["params"])
+    back, m = plan.unpack(plan.pack(grads, np.arange(4, dtype=np.float32)))
+    assert all((a == b).all() for a, b in zip(jax.tree_util.tree_leaves(back),
+                                            jax.tree_util.tree_leaves(grads)))
+
+
+def test_policy_layouts():
+    model = models.create_model("resnet20", num_classes=10)
+    tail = steps.build_plan(model, (8, 8, 1), "tail_minimal")
+    stem = [s.name for s in tail.slots if s.bucket == "stem"]
+    assert sorted(stem) == ["params/stem_bn/bias", "params/stem_bn/scale", "params/stem_conv/kernel"]
+    head_order = [s.name for s in sorted(tail.slots, key=lambda s: s.offset) if s.bucket == "head"]
+    assert sorted(head_order[:2]) == ["params/head/bias", "params/head/kernel"]  # first in backward
+    sized = steps.build_plan(model, (8, 8, 1), "size:0.5")
+    sizes = [n * 4 for n in sized.bucket_sizes.values()]
+    assert len(sizes) >= 2 and all(s <= 0.5 * 2 ** 20 + 4096 for s in sizes)
+    per_leaf = steps.build_plan(model, (8, 8, 1), "per_leaf")
+    assert len(per_leaf.bucket_sizes) == len(per_leaf.slots) + 1
+    with pytest.raises(ValueError, match=r"bucket policy 'size:x'"):
+        steps.build_plan(model, (8, 8, 1), "size:x")
+    with pytest.raises(ValueError, match=r"bucket policy 'three' is not one of"):
+        steps.build_plan(model, (8, 8, 1), "three")

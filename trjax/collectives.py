@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from trjax.plan import BUCKETS
 
 
 def after(x: jax.Array, done: jax.Array) -> jax.Array:
@@ -42,31 +41,37 @@ def after(x: jax.Array, done: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(lax.bitcast_convert_type(x, udtype) + zero, x.dtype)
 
 
-def allreduce_buckets(buffers: Mapping[str, jax.Array], axis_name: str) -> dict[str, jax.Array]:
+def allreduce_buckets(buffers: Mapping[str, jax.Array], axis_name: str,
+                      chain: bool = True, reduce_fn=None) -> dict[str, jax.Array]:
     """Sums each bucket buffer over the data axis with one all-reduce per bucket.
 
-    The buckets are reduced in ``BUCKETS`` order; each bucket's input is made
-    to depend on the previous bucket's result with :func:`after`, so XLA keeps
-    exactly one all-reduce per bucket, in that order. The deep bucket's
-    all-reduce depends only on the deep-conv gradients and the metrics, so it
-    can run while the first layer's backward is still computing.
+    The buckets are reduced in the order of ``buffers``. With ``chain`` each
+    bucket's input is made to depend on the previous bucket's result with
+    :func:`after`, so XLA keeps exactly one all-reduce per bucket, in that
+    order. The first bucket's all-reduce (``deep`` under the seed's policy)
+    depends only on its own gradients and the metrics, so it can run while the
+    first layer's backward is still computing. ``chain=False`` leaves XLA free
+    to merge them (the per-leaf baseline, as a plain flax step would).
 
     Args:
       buffers: ``{bucket: [n_bucket] float32}``, per-device partial sums.
       axis_name: the data axis.
+      chain: keep the buckets separate and ordered.
+      reduce_fn: ``(x, axis_name) -> sum`` to use instead of ``lax.psum``
+        (see :mod:`trjax.allreduce`).
 
     Returns:
       ``{bucket: [n_bucket]}``: the sums over all devices (NOT divided by the
       world size: the caller applies ``1/global_count`` exactly once, fused
       into the optimizer update).
     """
+    reduce_fn = reduce_fn or lax.psum
     out: dict[str, jax.Array] = {}
     previous = None
-    for name in BUCKETS:
-        x = buffers[name]
-        if previous is not None:
+    for name, x in buffers.items():
+        if chain and previous is not None:
             x = after(x, previous)
-        out[name] = previous = lax.psum(x, axis_name)
+        out[name] = previous = reduce_fn(x, axis_name)
     return out
 
 

@@ -49,23 +49,70 @@ def _shapes(type_str: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _SHAPE.findall(type_str)]
 
 
-def collectives_in_hlo(hlo_text: str) -> list[dict]:
-    """Every collective of the entry computation, in schedule order.
+def collectives_in_hlo(hlo_text: str, nested: bool = True) -> list[dict]:
+    """Every collective of the compiled module: the entry computation in
+    schedule order, then (``nested``) those inside called computations such
+    as while-loop bodies (a ring all-reduce's ``collective-permute`` steps).
 
     Returns:
-      ``[{"name", "kind", "position", "operands": [{"dtype", "shape",
-      "elements", "bytes"}], "elements", "bytes"}]``; ``position`` is the
-      instruction index in the (scheduled) entry computation.
+      ``[{"name", "kind", "position", "computation", "operands": [{"dtype",
+      "shape", "elements", "bytes"}], "elements", "bytes"}]``; ``position`` is
+      the instruction index in its (scheduled) computation.
     """
     out = []
-    for pos, line in enumerate(entry_lines(hlo_text)):
-        m = _INSTR.match(line)
-        if not m or m.group(3) not in COLLECTIVE_OPS:
-            continue
-        ops = [{"dtype": dt, "shape": list(shape), "elements": math.prod(shape),
-                "bytes": math.prod(shape) * _DTYPE_BYTES.get(dt, 4)} for dt, shape in _shapes(m.group(2))]
-        out.append({"name": m.group(1), "kind": m.group(3).replace("-start", ""), "position": pos,
-                    "operands": ops, "elements": sum(o["elements"] for o in ops),
+
+    def scan(lines, computation):
+        for pos, line in enumerate(lines):
+            m = _INSTR.match(line)
+            if not m or m.group(3) not in COLLECTIVE_OPS:
+                continue
+            ops = [{"dtype": dt, "shape": list(shape), "elements": math.prod(shape),
+                    "bytes": math.prod(shape) * _DTYPE_BYTES.get(dt, 4)}
+                   for dt, shape in _shapes(m.group(2))]
+            out.append({"name": m.group(1), "kind": m.group(3).replace("-start", ""),
+                        "position": pos, "computation": computation, "operands": ops,
+                        "elements": sum(o["elements"] for o in ops),
+                        "bytes": sum(o["bytes"] for o in ops)})
+
+    scan(entry_lines(hlo_text), "ENTRY")
+    if nested:
+        name, body = None, []
+        for line in hlo_text.splitlines():
+            if line.startswith("%") and line.rstrip().endswith("{"):
+                name, body = line.split()[0].lstrip("%"), []
+            elif line.startswith("}") and name is not None:
+                if not name.startswith("fused_computation"):
+                    scan(body, name)
+                name = None
+            elif name is not None:
+                body.append(line)
+    return out
+
+
+_MLIR_DTYPES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "i32": 4, "ui32": 4, "i64": 8, "ui64": 8,
+                "i8": 1, "ui8": 1, "i1": 1, "i16": 2, "ui16": 2}
+_MLIR_OP = re.compile(r'"?stablehlo\.(all_reduce|reduce_scatter|all_gather|collective_permute|all_to_all)"?')
+_TENSOR = re.compile(r"tensor<([\dx]*?)x?([a-z]+\d*)>")
+
+
+def requested_collectives(lowered_text: str) -> list[dict]:
+    """Collectives as the program asked for them (StableHLO, before XLA's passes).
+
+    XLA may change a collective's dtype when compiling (XLA:CPU runs a bf16
+    all-reduce in float32), so the bytes a program *requests* can differ from
+    :func:`collectives_in_hlo`'s compiled bytes. Returns ``[{"kind",
+    "operands": [{"dtype", "elements", "bytes"}], "bytes"}]`` in program order.
+    """
+    out = []
+    for m in _MLIR_OP.finditer(lowered_text):
+        end = lowered_text.find(") -> ", m.end())
+        seg = lowered_text[m.end():end]
+        types = seg[seg.rfind(": (") + 3:] if ": (" in seg else seg
+        ops = []
+        for dims, dt in _TENSOR.findall(types):
+            n = math.prod(int(d) for d in dims.split("x") if d) if dims else 1
+            ops.append({"dtype": dt, "elements": n, "bytes": n * _MLIR_DTYPES.get(dt, 4)})
+        out.append({"kind": m.group(1).replace("_", "-"), "operands": ops,
                     "bytes": sum(o["bytes"] for o in ops)})
     return out
 

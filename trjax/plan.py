@@ -1,15 +1,25 @@
-"""The MemoryPlan: a static layout of gradients into two contiguous buckets.
+"""The MemoryPlan: a static layout of gradients into contiguous bucket buffers.
 
 In the seed framework one MemoryPlan, computed at compile time, gives every
 tensor the same offset on every device, so an all-reduce is simply "the byte
 range from region X to region Y". Here the plan maps each parameter leaf to a
-``(bucket, offset, size)`` slot in a flat float32 buffer per bucket:
+``(bucket, offset, size)`` slot in a flat float32 buffer per bucket. The
+bucket policy (``BUCKET_POLICIES``) decides the grouping:
 
-* bucket ``deep`` (the seed's DEEP_COMM): all deep-conv gradients, then the
-  step's metric sums (loss sum, top-1 correct, top-5 correct, real-example
-  count: the seed's R_RESULT), so the metrics ride in the same all-reduce;
-* bucket ``first`` (FIRST_COMM): BN biases, BN scales, FC bias, FC weight, then
-  the first conv -- the gradients that are ready last in backward.
+* ``two`` (default, the seed's): bucket ``deep`` (DEEP_COMM) = every deep-conv
+  gradient, then the step's metric sums (loss sum, top-1, top-5, real-example
+  count: the seed's R_RESULT, riding in the same all-reduce); bucket ``first``
+  (FIRST_COMM) = BN biases, BN scales, FC bias, FC weight, first conv -- the
+  gradients ready last in backward.
+* ``tail_minimal``: bucket ``head`` = FC + deep convs + the BN layers after the
+  stem + metrics, issued first; bucket ``stem`` = only the stem conv and its BN.
+  In ResNet-50 the FC gradient (8 MB) is produced first in backward: the seed's
+  layout leaves it waiting in the last bucket.
+* ``size:<MB>``: PyTorch-DDP-style buckets in backward order (reverse forward
+  call order), each at most <MB> megabytes (2**20 bytes), the first one 1 MB
+  at most, so the first all-reduce starts early; metrics ride in the first.
+* ``per_leaf``: one all-reduce per parameter (the Flax-example baseline), the
+  metrics in their own small bucket.
 
 The plan is a pure function of the model's abstract parameters: identical on
 every device and every process. After compilation it also carries the
@@ -33,10 +43,12 @@ BUCKETS: dict[str, tuple[Region, ...]] = {
     "first": (Region.BN_BIAS, Region.BN_SCALE, Region.FC_BIAS, Region.FC_WEIGHT,
               Region.FIRST_CONV),
 }
-"""Bucket name -> regions in buffer order. Buckets are all-reduced in this order."""
+"""The ``two`` policy: bucket name -> regions in buffer order, all-reduced in this order."""
 
+BUCKET_POLICIES = ("two", "tail_minimal", "size:<MB>", "per_leaf")
 METRICS = ("loss_sum", "top1_correct", "top5_correct", "count")
-"""The per-step sums carried in the RESULT region of the deep bucket."""
+"""The per-step sums carried in the RESULT region of a bucket."""
+_METRICS_NAME = "result/metrics"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +65,7 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class RegionInfo:
+    """A contiguous run of one region inside one bucket."""
     region: Region
     bucket: str
     offset: int  # elements from the start of the bucket buffer
@@ -65,17 +78,21 @@ class MemoryPlan:
     """Layout of the gradient buckets (and of the BN statistics buffer).
 
     Attributes:
+      policy: the bucket policy that produced it.
       slots: one per parameter leaf, in the params tree's flatten order.
-      regions: every non-empty region with its bucket, offset and size.
-      bucket_sizes: ``{bucket: elements}`` of each flat buffer.
+      regions: contiguous region runs with their bucket, offset and size.
+      bucket_sizes: ``{bucket: elements}`` in all-reduce order.
+      metrics_slot: ``(bucket, offset)`` of the ``METRICS`` sums.
       stats_slots: ``{name: (offset, size, shape)}`` of the BN running
         statistics in the one buffer all-reduced in ``running`` mode.
       memory: the compiled train step's memory statistics in bytes
         (``argument``, ``output``, ``alias``, ``temp``, ``peak``), once known.
     """
+    policy: str
     slots: tuple
     regions: tuple
     bucket_sizes: Mapping[str, int]
+    metrics_slot: tuple
     stats_slots: Mapping[str, tuple]
     params_treedef: Any
     stats_treedef: Any
@@ -87,30 +104,36 @@ class MemoryPlan:
         return self.bucket_sizes[bucket] * np.dtype(self.dtype).itemsize
 
     def region(self, region: Region) -> RegionInfo:
+        """The first run of ``region`` (the only one under the ``two`` policy)."""
         for r in self.regions:
             if r.region == region:
                 return r
         raise KeyError(f"region {region.value!r} is empty in this plan")
 
     @property
-    def metrics_offset(self) -> int:
-        return self.region(Region.RESULT).offset
-
-    @property
     def gradient_elements(self) -> int:
         return sum(s.size for s in self.slots)
+
+    @property
+    def gradient_bytes(self) -> int:
+        return self.gradient_elements * np.dtype(self.dtype).itemsize
 
     def with_memory(self, memory: Mapping[str, int]) -> "MemoryPlan":
         return dataclasses.replace(self, memory=dict(memory))
 
     def describe(self) -> dict:
-        """A JSON-ready summary: regions, buckets, memory statistics."""
+        """A JSON-ready summary: policy, buckets, regions, memory statistics."""
+        regions_of = {b: [] for b in self.bucket_sizes}
+        for r in self.regions:
+            if r.region.value not in regions_of[r.bucket]:
+                regions_of[r.bucket].append(r.region.value)
         return {
-            "buckets": {b: {"elements": n, "bytes": self.bucket_bytes(b),
-                            "regions": [r.value for r in BUCKETS[b]]}
+            "policy": self.policy,
+            "buckets": {b: {"elements": n, "bytes": self.bucket_bytes(b), "regions": regions_of[b]}
                         for b, n in self.bucket_sizes.items()},
             "regions": [{"region": r.region.value, "bucket": r.bucket, "offset": r.offset,
                          "elements": r.size, "bytes": r.nbytes} for r in self.regions],
+            "metrics": {"bucket": self.metrics_slot[0], "offset": self.metrics_slot[1]},
             "stats_elements": sum(s for _, s, _ in self.stats_slots.values()),
             "memory": self.memory,
         }
@@ -120,26 +143,29 @@ class MemoryPlan:
         """Lays gradients and metric sums out as one flat buffer per bucket.
 
         Args:
-          grads: pytree shaped like the params (any float dtype; cast to
-            the plan's dtype, float32).
+          grads: pytree shaped like the params (any float dtype; cast to the
+            plan's dtype, float32).
           metrics: ``[len(METRICS)]`` float32.
 
         Returns:
-          ``{"deep": [bucket_sizes["deep"]], "first": [...]}``.
+          ``{bucket: [bucket_sizes[bucket]]}``, in all-reduce order.
         """
         leaves = jax.tree_util.tree_leaves(grads)
-        pieces: dict[str, list] = {b: [] for b in BUCKETS}
-        for slot, g in sorted(zip(self.slots, leaves), key=lambda sg: (sg[0].bucket, sg[0].offset)):
-            pieces[slot.bucket].append(jnp.ravel(g).astype(self.dtype))
-        pieces["deep"].append(jnp.asarray(metrics, self.dtype).reshape(-1))
-        return {b: jnp.concatenate(pieces[b]) for b in BUCKETS}
+        pieces: dict[str, list] = {b: [] for b in self.bucket_sizes}
+        items = [(s.bucket, s.offset, jnp.ravel(g).astype(self.dtype))
+                 for s, g in zip(self.slots, leaves)]
+        items.append((*self.metrics_slot, jnp.asarray(metrics, self.dtype).reshape(-1)))
+        for bucket, _, x in sorted(items, key=lambda t: (t[0], t[1])):
+            pieces[bucket].append(x)
+        return {b: jnp.concatenate(pieces[b]) if len(pieces[b]) > 1 else pieces[b][0]
+                for b in self.bucket_sizes}
 
     def unpack(self, buffers: Mapping[str, jax.Array]):
         """Inverse of :meth:`pack`: ``(grads pytree, metrics [len(METRICS)])``."""
         leaves = [buffers[s.bucket][s.offset:s.offset + s.size].reshape(s.shape) for s in self.slots]
-        m0 = self.metrics_offset
+        b, m0 = self.metrics_slot
         return (jax.tree_util.tree_unflatten(self.params_treedef, leaves),
-                buffers["deep"][m0:m0 + len(METRICS)])
+                buffers[b][m0:m0 + len(METRICS)])
 
     def pack_stats(self, batch_stats) -> jax.Array:
         leaves = jax.tree_util.tree_leaves(batch_stats)
@@ -150,7 +176,74 @@ class MemoryPlan:
         return jax.tree_util.tree_unflatten(self.stats_treedef, leaves)
 
 
-def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.float32) -> MemoryPlan:
+def _stem_bn(regions: Mapping[str, Region]) -> str | None:
+    """Module path of the BatchNorm called right after the first conv."""
+    order = list(dict.fromkeys(n.rsplit("/", 1)[0] for n in regions if n.startswith("params/")))
+    first = next(n.rsplit("/", 1)[0] for n, r in regions.items() if r == Region.FIRST_CONV)
+    for mod in order[order.index(first) + 1:]:
+        if any(regions.get(f"{mod}/{leaf}") == Region.BN_SCALE for leaf in ("scale",)):
+            return mod
+    return None
+
+
+def bucket_assignment(policy: str, regions: Mapping[str, Region], sizes: Mapping[str, int],
+                      itemsize: int = 4) -> list[tuple[str, list[str]]]:
+    """Groups parameter leaves into ordered buckets under ``policy``.
+
+    Args:
+      policy: one of ``BUCKET_POLICIES`` (``size:<MB>`` with a number).
+      regions: leaf name -> region, in forward call order (params first).
+      sizes: leaf name -> element count.
+
+    Returns:
+      ``[(bucket, [leaf names in buffer order, with "result/metrics" in the
+      bucket that carries the metrics])]`` in all-reduce order.
+
+    Raises:
+      ValueError: an unknown policy or a non-positive size.
+    """
+    names = [n for n in regions if n.startswith("params/")]
+    if policy == "two":
+        out = []
+        for bucket, rs in BUCKETS.items():
+            members = []
+            for r in rs:
+                members += [_METRICS_NAME] if r == Region.RESULT else \
+                    [n for n in names if regions[n] == r]
+            out.append((bucket, members))
+        return out
+    if policy == "tail_minimal":
+        stem_bn = _stem_bn(regions)
+        tail = [n for n in names if regions[n] == Region.FIRST_CONV or
+                (stem_bn and n.rsplit("/", 1)[0] == stem_bn)]
+        head = [n for n in reversed(names) if n not in tail]  # backward order: FC first
+        return [("head", head + [_METRICS_NAME]), ("stem", tail)]
+    if policy == "per_leaf":
+        return [(n.removeprefix("params/"), [n]) for n in reversed(names)] + \
+            [("metrics", [_METRICS_NAME])]
+    if policy.startswith("size:"):
+        try:
+            cap_mb = float(policy.split(":", 1)[1])
+        except ValueError:
+            cap_mb = -1.0
+        if not cap_mb > 0:
+            raise ValueError(f"bucket policy {policy!r}: the size must be a positive number of "
+                             "MB, e.g. 'size:25'")
+        out, current, used, cap = [], [_METRICS_NAME], 0, min(1.0, cap_mb) * 2 ** 20
+        for n in reversed(names):  # backward order
+            nbytes = sizes[n] * itemsize
+            if current and used and used + nbytes > cap:
+                out.append((f"b{len(out)}", current))
+                current, used, cap = [], 0, cap_mb * 2 ** 20
+            current.append(n)
+            used += nbytes
+        out.append((f"b{len(out)}", current))
+        return out
+    raise ValueError(f"bucket policy {policy!r} is not one of {BUCKET_POLICIES}")
+
+
+def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.float32,
+              policy: str = "two") -> MemoryPlan:
     """Builds the plan from (abstract) params, BN statistics and their regions.
 
     Args:
@@ -158,9 +251,10 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
       regions: from :func:`trjax.regions.assign_regions`; its order (forward
         call order) is the order of leaves inside a region.
       dtype: dtype of the bucket buffers (the all-reduce dtype).
+      policy: see :func:`bucket_assignment`.
 
     Raises:
-      ValueError: a params leaf without a region.
+      ValueError: a params leaf without a region, or a bad policy.
     """
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     names = ["params/" + path_str(p) for p, _ in flat]
@@ -168,33 +262,34 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
     if missing:
         raise ValueError(f"params leaves without a region: {missing[:5]}")
     shapes = {n: tuple(x.shape) for n, (_, x) in zip(names, flat)}
+    sizes = {n: math.prod(s) for n, s in shapes.items()}
     itemsize = np.dtype(dtype).itemsize
     slot_of: dict[str, Slot] = {}
-    infos = []
-    sizes = {}
-    for bucket, bucket_regions in BUCKETS.items():
+    infos, bucket_sizes, metrics_slot = [], {}, None
+    for bucket, members in bucket_assignment(policy, regions, sizes, itemsize):
         offset = 0
-        for region in bucket_regions:
-            start = offset
-            if region == Region.RESULT:
-                offset += len(METRICS)
+        for n in members:
+            if n == _METRICS_NAME:
+                region, size = Region.RESULT, len(METRICS)
+                metrics_slot = (bucket, offset)
             else:
-                for name, r in regions.items():
-                    if r == region and name in shapes:
-                        n = math.prod(shapes[name])
-                        slot_of[name] = Slot(name, region, bucket, offset, n, shapes[name],
-                                             np.dtype(dtype).name)
-                        offset += n
-            if offset > start:
-                infos.append(RegionInfo(region, bucket, start, offset - start,
-                                        (offset - start) * itemsize))
-        sizes[bucket] = offset
+                region, size = regions[n], sizes[n]
+                slot_of[n] = Slot(n, region, bucket, offset, size, shapes[n], np.dtype(dtype).name)
+            if infos and infos[-1].bucket == bucket and infos[-1].region == region:
+                last = infos[-1]
+                infos[-1] = RegionInfo(region, bucket, last.offset, last.size + size,
+                                       (last.size + size) * itemsize)
+            else:
+                infos.append(RegionInfo(region, bucket, offset, size, size * itemsize))
+            offset += size
+        bucket_sizes[bucket] = offset
     sflat, streedef = jax.tree_util.tree_flatten_with_path(batch_stats)
     stats_slots, off = {}, 0
     for p, x in sflat:
         n = math.prod(x.shape)
         stats_slots["batch_stats/" + path_str(p)] = (off, n, tuple(x.shape))
         off += n
-    return MemoryPlan(slots=tuple(slot_of[n] for n in names), regions=tuple(infos),
-                      bucket_sizes=sizes, stats_slots=stats_slots, params_treedef=treedef,
-                      stats_treedef=streedef, dtype=np.dtype(dtype).name)
+    return MemoryPlan(policy=policy, slots=tuple(slot_of[n] for n in names), regions=tuple(infos),
+                      bucket_sizes=bucket_sizes, metrics_slot=metrics_slot,
+                      stats_slots=stats_slots, params_treedef=treedef, stats_treedef=streedef,
+                      dtype=np.dtype(dtype).name)

@@ -19,26 +19,39 @@ def comm_report(config) -> dict:
     from trjax.train import setup
     tr = setup(config)
     plan, n = tr.plan, tr.world.world_size
-    labels = {plan.bucket_sizes["deep"]: "bucket:deep (deep convs + metrics)",
-              plan.bucket_sizes["first"]: "bucket:first (first conv + BN + FC)",
-              sum(s for _, s, _ in plan.stats_slots.values()): "bn:running statistics",
-              4: "metrics:validation sums"}
+    names = {"deep": "bucket:deep (deep convs + metrics)",
+             "first": "bucket:first (first conv + BN + FC)"}
+    labels = {sum(s for _, s, _ in plan.stats_slots.values()): "bn:running statistics",
+              4: "metrics:sums"}
+    for b, size in plan.bucket_sizes.items():
+        labels[size] = names.get(b, f"bucket:{b}")
+        labels.setdefault(-(-size // n), names.get(b, f"bucket:{b}") + " [1/N chunk]")
+        if config.compression != "none" and b == plan.metrics_slot[0]:
+            labels.setdefault(size - 4, names.get(b, f"bucket:{b}") + " [compressed, metrics apart]")
     for _, size, shape in plan.stats_slots.values():
         labels.setdefault(2 * shape[0] + 1, "bn:sync batch statistics")
     out = {"world_size": n, "bn_mode": config.bn_mode, "model": config.model,
+           "policy": plan.policy, "allreduce": config.allreduce,
+           "compression": config.compression,
            "buckets": {b: {"elements": e, "bytes": plan.bucket_bytes(b),
                            "ring_traffic_per_rank_bytes": comm.ring_traffic_bytes(plan.bucket_bytes(b), n)}
                        for b, e in plan.bucket_sizes.items()}}
     for step in tr.compiled:
         text = step.hlo_text()
         cols = comm.label_collectives(comm.collectives_in_hlo(text), labels)
-        out[step.name] = {"collectives": cols, "count": len(cols)}
+        req = comm.requested_collectives(step.lowered_text)
+        out[step.name] = {"collectives": cols, "count": len(cols),
+                          "compiled_bytes": sum(c["bytes"] for c in cols),
+                          "requested": {"count": len(req), "bytes": sum(c["bytes"] for c in req),
+                                        "dtypes": sorted({o["dtype"] for c in req
+                                                          for o in c["operands"]})}}
         if step.name == "train_step":
             grads = [c for c in cols if any(l.startswith("bucket:") for l in c["carries"])]
             out["gradient_all_reduces"] = len(grads)
             first = plan.slots[[s.region for s in plan.slots].index(Region.FIRST_CONV)]
             wgrad = comm.conv_positions(text, first.shape)
-            deep = [c["position"] for c in grads if "bucket:deep (deep convs + metrics)" in c["carries"]]
+            first_bucket = labels[next(iter(plan.bucket_sizes.values()))]
+            deep = [c["position"] for c in grads if first_bucket in c["carries"]]
             out["first_conv_wgrad_positions"] = wgrad
             out["deep_before_first_conv_wgrad"] = bool(deep and wgrad and max(deep) < min(wgrad))
             out["bucket_elements_match_plan"] = sorted(c["elements"] for c in grads
@@ -53,15 +66,19 @@ def comm_report(config) -> dict:
 
 def format_report(r: dict) -> str:
     """A human-readable table of :func:`comm_report`'s result."""
-    lines = [f"world_size={r['world_size']} model={r['model']} bn_mode={r['bn_mode']}"]
+    lines = [f"world_size={r['world_size']} model={r['model']} bn_mode={r['bn_mode']} "
+             f"buckets={r['policy']} allreduce={r['allreduce']} compression={r['compression']}"]
     for b, v in r["buckets"].items():
         lines.append(f"  bucket {b:6s} {v['elements']:>10d} elements {v['bytes']:>11d} B  "
                      f"ring traffic/rank {v['ring_traffic_per_rank_bytes']:.0f} B")
     for name in ("train_step", "fold_bn", "eval_step", "eval_reduce"):
-        lines.append(f"{name}: {r[name]['count']} collective(s)")
+        q = r[name]["requested"]
+        lines.append(f"{name}: {r[name]['count']} collective(s), {r[name]['compiled_bytes']} B "
+                     f"compiled; requested {q['count']} ({q['bytes']} B, {'/'.join(q['dtypes'])})")
         for c in r[name]["collectives"]:
+            where = "" if c["computation"] == "ENTRY" else f" (in {c['computation']}, per iteration)"
             lines.append(f"  #{c['position']:<5d} {c['kind']:12s} {c['elements']:>10d} el "
-                         f"{c['bytes']:>11d} B  {' + '.join(c['carries'])}")
+                         f"{c['bytes']:>11d} B  {' + '.join(c['carries'])}{where}")
     lines.append(f"gradient all-reduces: {r['gradient_all_reduces']}; deep bucket before the "
                  f"first conv's weight gradient: {r['deep_before_first_conv_wgrad']} "
                  f"(wgrad at {r['first_conv_wgrad_positions']})")

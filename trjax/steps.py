@@ -55,7 +55,9 @@ class TrainState:
     BN mode and ``[world_size, C]`` (one row per replica) in ``local`` mode.
     ``skipped_steps`` counts updates skipped for non-finite gradients.
     ``loss_scale`` / ``good_steps``: dynamic loss scaling (fp16; 1.0 and
-    unused otherwise).
+    unused otherwise). ``comm_state``: the gradient compressor's state per
+    bucket (error feedback...), one row per replica (``[world_size, ...]``);
+    ``{}`` without compression.
     """
     step: jax.Array
     params: Any
@@ -64,12 +66,14 @@ class TrainState:
     skipped_steps: jax.Array
     loss_scale: jax.Array
     good_steps: jax.Array
+    comm_state: Any = None
 
 
 def state_specs(bn_mode: str) -> TrainState:
     """shard_map partition specs of a :class:`TrainState` (a pytree prefix)."""
     return TrainState(step=P(), params=P(), opt_state=P(), skipped_steps=P(), loss_scale=P(),
-                      good_steps=P(), batch_stats=P(DATA_AXIS) if bn_mode == "local" else P())
+                      good_steps=P(), batch_stats=P(DATA_AXIS) if bn_mode == "local" else P(),
+                      comm_state=P(DATA_AXIS))
 
 
 BATCH_SPEC = {"image": P(DATA_AXIS), "label": P(DATA_AXIS), "mask": P(DATA_AXIS)}
@@ -98,7 +102,8 @@ def batch_metrics(logits, labels, mask):
 
 def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
                        world: World, image_shape: tuple, bn_mode: str,
-                       loss_scale: float = 1.0) -> TrainState:
+                       loss_scale: float = 1.0, plan: MemoryPlan | None = None,
+                       compressor=None) -> TrainState:
     """Initialises on every replica, then broadcasts rank 0's parameters.
 
     Each replica runs ``model.init`` with its own key ``fold_in(rng, rank)``
@@ -114,6 +119,8 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
       image_shape: ``(H, W, C)`` of one example.
       bn_mode: ``sync``, ``running`` or ``local``.
       loss_scale: initial loss scale (fp16 dynamic scaling; 1.0 otherwise).
+      plan, compressor: with a :class:`trjax.compression.Compressor`, its
+        initial state for every bucket of ``plan`` (one row per replica).
 
     Returns:
       A :class:`TrainState` laid out as :func:`state_specs` says.
@@ -139,9 +146,17 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
             batch_stats)
     opt_state = jax.jit(tx.init, out_shardings=world.replicated())(params)
     scalar = lambda v, dt: world.put(np.asarray(v, dt))
+    comm_state = {}
+    if compressor is not None:
+        comm_state = {b: jax.tree_util.tree_map(
+            lambda x: world.put(np.broadcast_to(np.asarray(x), (n,) + x.shape), world.sharded()),
+            compressor.init(jax.ShapeDtypeStruct((size - (4 if b == plan.metrics_slot[0] else 0),),
+                                                 jnp.float32)))
+            for b, size in plan.bucket_sizes.items()}
     state = TrainState(step=scalar(0, np.int32), params=params, batch_stats=batch_stats,
                        opt_state=opt_state, skipped_steps=scalar(0, np.int32),
-                       loss_scale=scalar(loss_scale, np.float32), good_steps=scalar(0, np.int32))
+                       loss_scale=scalar(loss_scale, np.float32), good_steps=scalar(0, np.int32),
+                       comm_state=comm_state)
     check_replicas_identical(state.params)
     return state
 
@@ -157,12 +172,13 @@ def check_replicas_identical(tree) -> None:
                 raise RuntimeError(f"replica {i} differs from rank 0 at {jax.tree_util.keystr(path)}")
 
 
-def build_plan(model: nn.Module, image_shape: tuple) -> MemoryPlan:
-    """The MemoryPlan of ``model``, from abstract shapes only (no compute)."""
+def build_plan(model: nn.Module, image_shape: tuple, policy: str = "two") -> MemoryPlan:
+    """The MemoryPlan of ``model`` under a bucket ``policy`` (see
+    :mod:`trjax.plan`), from abstract shapes only (no compute)."""
     x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), jnp.float32)
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape), train=False))
     regions = assign_regions(model, variables, x)
-    return make_plan(variables["params"], variables["batch_stats"], regions)
+    return make_plan(variables["params"], variables["batch_stats"], regions, policy=policy)
 
 
 # --------------------------------------------------------------------------
@@ -171,7 +187,8 @@ def build_plan(model: nn.Module, image_shape: tuple) -> MemoryPlan:
 
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: MemoryPlan,
                     world: World, bn_mode: str, dynamic_loss_scale: bool = False,
-                    growth_interval: int = 2000) -> Callable:
+                    growth_interval: int = 2000, allreduce: str = "xla",
+                    compressor=None) -> Callable:
     """Returns ``train_step(state, batch) -> (state, metrics)`` over ``world``.
 
     Args (of the returned function, global view):
@@ -187,6 +204,14 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
     With ``dynamic_loss_scale`` (fp16) the loss is multiplied by
     ``state.loss_scale`` before backward and the scale is updated by
     :func:`trjax.precision.update_loss_scale` from the all-reduced gradients.
+
+    ``allreduce`` picks the algorithm of the bucket all-reduces
+    (:mod:`trjax.allreduce`: ``xla`` = ``lax.psum``, lowered to NCCL on GPUs;
+    ``ring``, ``halving_doubling``, ``tree`` written with ``ppermute``).
+    ``compressor`` (:mod:`trjax.compression`) compresses each bucket's gradients;
+    the metric sums then travel uncompressed in one small extra all-reduce
+    (they must stay exact). Both run the step with ``check_vma=False``: their
+    results are replicated in value but typed per-device by JAX.
     """
     axis = DATA_AXIS
 
@@ -207,10 +232,16 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
 
         (_, (metrics, new_bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_v)
         buffers = plan.pack(grads, lax.stop_gradient(metrics))
-        reduced = collectives.allreduce_buckets(buffers, axis)
+        new_comm = state.comm_state
+        if compressor is None:
+            reduced = collectives.allreduce_buckets(buffers, axis, chain=plan.policy != "per_leaf",
+                                                    reduce_fn=reduce_fn)
+        else:
+            reduced, new_comm = compressed_allreduce(buffers, state.comm_state)
         grads, metrics = plan.unpack(reduced)
+        last = list(reduced.values())[-1]
         # every replica sees the same reduced values: they agree without a collective
-        finite = jnp.isfinite(jnp.sum(reduced["deep"]) + jnp.sum(reduced["first"]))
+        finite = jnp.isfinite(sum(jnp.sum(b) for b in reduced.values()))
         inv_count = 1.0 / jnp.maximum(metrics[3], 1.0)
         if scale is not None:
             inv_count = inv_count / scale
@@ -220,7 +251,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
 
         if bn_mode == "running":
             stats = collectives.allreduce_batch_stats(plan.pack_stats(new_bs), axis,
-                                                      done=reduced["first"])
+                                                      done=last)
             finite = finite & jnp.isfinite(jnp.sum(stats))
             new_bs = plan.unpack_stats(stats)
         elif bn_mode == "local":
@@ -234,6 +265,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
         keep = lambda new, old: jax.tree_util.tree_map(
             lambda a, b: jnp.where(finite, a, b), new, old)
         new_state = TrainState(
+            comm_state=keep(new_comm, state.comm_state),
             step=state.step + 1,
             params=keep(params, state.params),
             batch_stats=keep(new_bs, state.batch_stats),
@@ -242,9 +274,31 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
             loss_scale=loss_scale, good_steps=good_steps)
         return new_state, jnp.concatenate([metrics, finite.astype(jnp.float32)[None]])
 
+    from trjax import allreduce as allreduce_lib
+    reduce_fn = None if allreduce == "xla" else allreduce_lib.ALGORITHMS[allreduce]
+    mbucket, moff = plan.metrics_slot
+
+    def compressed_allreduce(buffers, comm_state):
+        reduced, new_comm, previous = {}, {}, None
+        for b, x in buffers.items():
+            if previous is not None:
+                x = collectives.after(x, previous)
+            st = jax.tree_util.tree_map(lambda v: v[0], comm_state[b])
+            if b == mbucket:  # metrics leave the bucket: they must stay exact
+                m = lax.psum(x[moff:moff + len(METRICS)], axis)
+                g = jnp.concatenate([x[:moff], x[moff + len(METRICS):]])
+                g, st = compressor.allreduce(g, st, axis)
+                x = jnp.concatenate([g[:moff], m, g[moff:]])
+            else:
+                x, st = compressor.allreduce(x, st, axis)
+            reduced[b] = previous = x
+            new_comm[b] = jax.tree_util.tree_map(lambda v: v[None], st)
+        return reduced, new_comm
+
     return jax.shard_map(local_step, mesh=world.mesh,
                          in_specs=(state_specs(bn_mode), BATCH_SPEC),
-                         out_specs=(state_specs(bn_mode), P()))
+                         out_specs=(state_specs(bn_mode), P()),
+                         check_vma=reduce_fn is None and compressor is None)
 
 
 def make_fold_bn(world: World, bn_mode: str) -> Callable:
@@ -331,11 +385,13 @@ class CompiledStep:
       calls: number of calls.
     """
 
-    def __init__(self, name: str, compiled, signature, compile_s: float, donate_argnums=()):
+    def __init__(self, name: str, compiled, signature, compile_s: float, donate_argnums=(),
+                 lowered_text: str = ""):
         self.name = name
         self.compiled = compiled
         self.signature = signature
         self.compile_s = compile_s
+        self.lowered_text = lowered_text
         self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
         self.calls = 0
         self._paths = [jax.tree_util.keystr(p) for p, _ in
@@ -424,5 +480,7 @@ def compile_step(name: str, fn: Callable, *example_args, donate_argnums=()) -> C
     """
     sig = abstract(example_args)
     t0 = time.perf_counter()
-    compiled = jax.jit(fn, donate_argnums=donate_argnums).lower(*sig).compile()
-    return CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums)
+    lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*sig)
+    compiled = lowered.compile()
+    return CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums,
+                        lowered.as_text())

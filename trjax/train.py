@@ -27,7 +27,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import checkpoint, distributed, input_pipeline, models, optim, steps
+from trjax import (allreduce, checkpoint, compression, distributed, input_pipeline, models,
+                   optim, steps)
 from trjax.batchnorm import BN_MODES
 from trjax.precision import INITIAL_LOSS_SCALE, PRECISIONS, compute_dtype
 from trjax.world import check_batch_split, host_value, make_world
@@ -59,10 +60,16 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     """
     choices = {"bn_mode": BN_MODES, "precision": tuple(PRECISIONS), "optimizer": optim.OPTIMIZERS, "model": tuple(models.MODELS),
                "dataset": tuple(input_pipeline.DATASETS),
-               "train_remainder": input_pipeline.REMAINDERS}
+               "train_remainder": input_pipeline.REMAINDERS,
+               "allreduce": tuple(allreduce.ALGORITHMS),
+               "compression": tuple(compression.COMPRESSORS)}
     for field, valid in choices.items():
         if config[field] not in valid:
             raise ValueError(f"config.{field}={config[field]!r} is not one of {sorted(valid)}")
+    if not (config.buckets in ("two", "tail_minimal", "per_leaf") or
+            str(config.buckets).startswith("size:")):
+        raise ValueError(f"config.buckets={config.buckets!r} is not one of "
+                         "'two', 'tail_minimal', 'size:<MB>' (e.g. 'size:25'), 'per_leaf'")
     for field in ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_lag"):
         v = config[field]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -127,7 +134,12 @@ def setup(config: ml_collections.ConfigDict,
     model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
                                 dtype=dtype)
-    plan = steps.build_plan(model, data.image_shape)
+    plan = steps.build_plan(model, data.image_shape, config.buckets)
+    compressor = None
+    if config.compression != "none":
+        options = {"powersgd": {"rank": config.powersgd_rank},
+                   "topk": {"ratio": config.topk_ratio}}.get(config.compression, {})
+        compressor = compression.make_compressor(config.compression, **options)
     train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
                                                  config.train_remainder)
     total_steps = train_steps * config.num_epochs
@@ -138,7 +150,8 @@ def setup(config: ml_collections.ConfigDict,
                               trust_coefficient=config.trust_coefficient)
     state = steps.create_train_state(jax.random.key(config.seed), model, tx, world,
                                      data.image_shape, config.bn_mode,
-                                     loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
+                                     loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0,
+                                     plan=plan, compressor=compressor)
 
     def example(n):
         return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape, dtype,
@@ -149,7 +162,8 @@ def setup(config: ml_collections.ConfigDict,
     train_step = steps.compile_step(
         "train_step", steps.make_train_step(model, tx, plan, world, config.bn_mode,
                                             dynamic_loss_scale=fp16,
-                                            growth_interval=config.loss_scale_growth_interval),
+                                            growth_interval=config.loss_scale_growth_interval,
+                                            allreduce=config.allreduce, compressor=compressor),
         state, example(world.global_batch_size), donate_argnums=0)
     fold_bn = steps.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state)
     folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
