@@ -299,9 +299,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             say(f"resumed from step {int(host_value(state.step))} "
                 f"(epoch {start_epoch}, batch {start_batch})")
 
+    io_compiles = [0]  # orbax compiles small slicing programs on its first save
+
     def save(epoch: int, batch: int) -> None:
+        before = loop_compiles[0]
         checkpoint.save(ckpt, state, {**expect, "epoch": epoch, "batch": batch,
                                       "world_size": world.world_size})
+        io_compiles[0] += loop_compiles[0] - before
 
     rows = world.process_rows()
     lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
@@ -381,7 +385,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         "loss_scale": float(host_value(state.loss_scale)),
         "train_images_per_s": train_images / train_time if train_time else 0.0,
         "compiles": {c.name: 1 for c in tr.compiled},
-        "compiles_during_training": loop_compiles[0],
+        "compiles_during_training": loop_compiles[0] - io_compiles[0],
+        "checkpoint_io_compiles": io_compiles[0],
         "compile_s": {c.name: round(c.compile_s, 3) for c in tr.compiled},
         "memory_plan": plan.describe(),
         "wall_s": time.perf_counter() - t_start,
