@@ -11,7 +11,11 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     # data
-    c.dataset = "digits"
+    c.dataset = "digits"           # or cifar10, cifar100, mnist, fashion_mnist, imagefolder
+    c.data_dir = ""                # folder of a data set on disk (not needed for digits)
+    c.image_size = 224             # imagefolder only: train/eval crop size
+    c.augment = False              # random crop + flip (RandomResizedCrop for imagefolder)
+    c.prefetch = 2                 # batches prepared ahead on a host thread
     c.train_remainder = "pad"      # "pad" (mask-0 rows, every example once) or "drop"
     # world
     c.devices = "all"              # "all", a count "4", a range "0-3", a list "0,2,5"
@@ -44,6 +48,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.halt_on_nonfinite = False
     c.metrics_lag = 1              # host reads step t-1's metrics while step t runs
     c.progress = True              # a progress bar per epoch (only on a terminal)
+    c.tensorboard = False          # also write TensorBoard event files to WORKDIR/tensorboard
     # checkpoints (orbax, under WORKDIR/checkpoints): after every epoch, and every N steps
     c.checkpoint_every_steps = 0   # 0: at epoch ends only
     c.keep_checkpoints = 3

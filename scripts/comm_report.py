@@ -16,7 +16,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # trjax, configs
 
 config_flags.DEFINE_config_file("config", None, "Path to a config file.", lock_config=True)
 flags.DEFINE_bool("json", False, "Print JSON instead of a table.")
@@ -34,5 +34,18 @@ def main(argv):
     print(json.dumps(report, indent=2) if flags.FLAGS.json else format_report(report))
 
 
+def _check_argv(argv):
+    """Unknown --config.KEY or a wrong type: a clear error before anything runs."""
+    from trjax.config import check_overrides, load_config_file
+    path = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
+                 for i, a in enumerate(argv) if a.split("=")[0] == "--config"), None)
+    if path:
+        try:
+            check_overrides(load_config_file(path), argv)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"error: {e}")
+
+
 if __name__ == "__main__":
+    _check_argv(sys.argv)
     app.run(main)

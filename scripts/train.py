@@ -13,7 +13,7 @@ import sys
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # trjax, configs
 
 config_flags.DEFINE_config_file("config", None, "Path to a config file (get_config()).",
                                 lock_config=True)
@@ -35,6 +35,8 @@ def main(argv):
     from trjax.train import train_and_evaluate
     try:
         _, summary = train_and_evaluate(config, flags.FLAGS.workdir)
+    except (ValueError, FileNotFoundError) as e:  # bad input: the message says what to fix
+        sys.exit(f"error: {e}")
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() > 1:
             print(f"trjax: a collective failed on process {jax.process_index()}: "
@@ -49,5 +51,18 @@ def main(argv):
               f"-> {os.path.join(flags.FLAGS.workdir, 'summary.json')}")
 
 
+def _check_argv(argv):
+    """Unknown --config.KEY or a wrong type: a clear error before anything runs."""
+    from trjax.config import check_overrides, load_config_file
+    path = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
+                 for i, a in enumerate(argv) if a.split("=")[0] == "--config"), None)
+    if path:
+        try:
+            check_overrides(load_config_file(path), argv)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"error: {e}")
+
+
 if __name__ == "__main__":
+    _check_argv(sys.argv)
     app.run(main)

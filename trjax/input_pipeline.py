@@ -10,7 +10,7 @@ only). Evaluation always pads: every validation example is counted.
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import numpy as np
@@ -24,14 +24,18 @@ class Split(NamedTuple):
 
 
 class Dataset(NamedTuple):
-    train: Split
-    val: Split
+    """A train and a validation split: in-memory :class:`Split` arrays, or
+    sources decoded on demand (:class:`trjax.datasets.ImageFolder`), which
+    then give ``shape``."""
+    train: Any
+    val: Any
     num_classes: int
     name: str
+    shape: tuple | None = None
 
     @property
     def image_shape(self) -> tuple:
-        return tuple(self.train.images.shape[1:])
+        return tuple(self.shape) if self.shape else tuple(self.train.images.shape[1:])
 
 
 def load_digits(val_fraction: float = 0.2, seed: int = 0) -> Dataset:
@@ -56,14 +60,33 @@ def load_digits(val_fraction: float = 0.2, seed: int = 0) -> Dataset:
     return Dataset(Split(norm(xtr), ytr), Split(norm(xva), yva), 10, "digits")
 
 
-DATASETS = {"digits": load_digits}
+DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fashion_mnist", "imagefolder")
 
 
-def load_dataset(name: str, **kwargs) -> Dataset:
-    """Loads a data set by name (one of ``DATASETS``); ``ValueError`` otherwise."""
+def load_dataset(name: str, data_dir: str = "", image_size: int = 224) -> Dataset:
+    """Loads a data set by name (one of ``DATASETS``).
+
+    ``digits`` ships inside scikit-learn; the others read ``data_dir``
+    (:mod:`trjax.datasets`: CIFAR python pickles, MNIST IDX files, an
+    ImageFolder tree ``data_dir/{train,val}/class/*.jpg``, decoded on demand
+    at ``image_size``).
+
+    Raises:
+      ValueError: an unknown name, or ``data_dir`` missing for a data set on
+        disk; the loaders' own errors for missing or malformed files.
+    """
     if name not in DATASETS:
-        raise ValueError(f"dataset {name!r} is unknown; choose one of {sorted(DATASETS)}")
-    return DATASETS[name](**kwargs)
+        raise ValueError(f"dataset {name!r} is unknown; choose one of {list(DATASETS)}")
+    if name == "digits":
+        return load_digits()
+    if not data_dir:
+        raise ValueError(f"dataset {name!r} reads files: set config.data_dir to its folder")
+    from trjax import datasets
+    if name == "imagefolder":
+        train = datasets.ImageFolder(data_dir, "train")
+        val = datasets.ImageFolder(data_dir, "val", classes=train.classes)
+        return Dataset(train, val, train.num_classes, name, (image_size, image_size, 3))
+    return datasets.DATASET_LOADERS[name](data_dir)
 
 
 def steps_per_epoch(num_examples: int, global_batch: int, remainder: str) -> int:
@@ -74,9 +97,10 @@ def steps_per_epoch(num_examples: int, global_batch: int, remainder: str) -> int
     return full + (1 if rest and remainder == "pad" else 0)
 
 
-def iterate_batches(split: Split, global_batch: int, *, shuffle: bool, seed: int = 0,
+def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
                     epoch: int = 0, remainder: str = "pad", rows: tuple | None = None,
-                    start: int = 0) -> Iterator[dict]:
+                    start: int = 0, augment: bool = False,
+                    image_shape: tuple | None = None) -> Iterator[dict]:
     """Global batches of one epoch, padded (mask 0) or dropped at the end.
 
     The order is a permutation drawn from ``np.random.default_rng((seed,
@@ -88,6 +112,14 @@ def iterate_batches(split: Split, global_batch: int, *, shuffle: bool, seed: int
         batch (the rows this process feeds, :meth:`trjax.world.World.process_rows`);
         only they are gathered. Default: all rows.
       start: skip the first ``start`` batches (resuming mid-epoch).
+      augment: training augmentation. In-memory splits: random crop with 4
+        pixels of zero padding + horizontal flip, each row drawn from
+        ``np.random.default_rng((seed, epoch, batch, row))`` -- the same
+        whatever the world size or process count. On-demand sources
+        (ImageFolder): RandomResizedCrop + flip with
+        ``default_rng((seed, epoch, batch, first_row))``; without ``augment``
+        they resize and center-crop.
+      image_shape: ``(S, S, 3)`` for on-demand sources.
     """
     n = len(split.labels)
     lo, hi = rows if rows is not None else (0, global_batch)
@@ -95,16 +127,31 @@ def iterate_batches(split: Split, global_batch: int, *, shuffle: bool, seed: int
     for b in range(start, steps_per_epoch(n, global_batch, remainder)):
         idx = order[b * global_batch:(b + 1) * global_batch][lo:hi]
         real = len(idx)
-        images = split.images[idx]
+        images = _gather(split, idx, augment, (seed, epoch, b, lo), image_shape)
         labels = split.labels[idx]
         mask = np.ones(hi - lo, np.float32)
         if real < hi - lo:
             pad = hi - lo - real
-            images = np.concatenate([images, np.zeros((pad,) + split.images.shape[1:],
-                                                      split.images.dtype)])
+            images = np.concatenate([images, np.zeros((pad,) + images.shape[1:], images.dtype)])
             labels = np.concatenate([labels, np.zeros(pad, split.labels.dtype)])
             mask[real:] = 0.0
         yield {"image": images, "label": labels, "mask": mask}
+
+
+def _gather(split, idx, augment: bool, key: tuple, image_shape) -> np.ndarray:
+    """Images ``idx`` of a split, augmented for training when asked."""
+    if isinstance(split, Split):
+        images = split.images[idx]
+        if augment and len(idx):
+            from trjax.datasets import augment_batch
+            images = np.stack([augment_batch(images[i:i + 1],
+                                             np.random.default_rng(key + (i,)))[0]
+                               for i in range(len(idx))])
+        return images
+    size = image_shape[0] if image_shape else 224
+    if not len(idx):
+        return np.zeros((0, size, size, 3), np.float32)
+    return split.load(idx, train=augment, rng=np.random.default_rng(key), image_size=size)
 
 
 def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict:

@@ -27,8 +27,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import (allreduce, checkpoint, compression, distributed, input_pipeline, models,
-                   optim, steps)
+from trjax import (allreduce, checkpoint, compression, datasets, distributed, input_pipeline,
+                   models, optim, steps)
 from trjax.batchnorm import BN_MODES
 from trjax.precision import INITIAL_LOSS_SCALE, PRECISIONS, compute_dtype
 from trjax.world import check_batch_split, host_value, make_world
@@ -59,7 +59,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
       ValueError: naming the field, its value and the valid choices.
     """
     choices = {"bn_mode": BN_MODES, "precision": tuple(PRECISIONS), "optimizer": optim.OPTIMIZERS, "model": tuple(models.MODELS),
-               "dataset": tuple(input_pipeline.DATASETS),
+               "dataset": input_pipeline.DATASETS,
                "train_remainder": input_pipeline.REMAINDERS,
                "allreduce": tuple(allreduce.ALGORITHMS),
                "compression": tuple(compression.COMPRESSORS)}
@@ -127,7 +127,7 @@ def setup(config: ml_collections.ConfigDict,
     world = make_world(config.devices, config.global_batch_size)
     check_batch_split(config.eval_batch_size, world.world_size)
     if data is None:
-        data = input_pipeline.load_dataset(config.dataset)
+        data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size)
 
     dtype = compute_dtype(config.precision)
     fp16 = config.precision == "fp16"
@@ -187,8 +187,9 @@ def evaluate_pass(tr: Trainer, state) -> dict:
     folded = tr.fold_bn(state)
     acc = world.put(np.zeros((world.world_size, 4), np.float32), world.sharded())
     rows = world.process_rows(tr.config.eval_batch_size)
-    for batch in input_pipeline.iterate_batches(tr.data.val, tr.config.eval_batch_size,
-                                                shuffle=False, rows=rows):
+    for batch in datasets.prefetch(input_pipeline.iterate_batches(
+            tr.data.val, tr.config.eval_batch_size, shuffle=False, rows=rows,
+            image_shape=tr.data.image_shape), depth=tr.config.prefetch):
         acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
             batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
     sums = host_value(tr.eval_reduce(acc))
@@ -317,6 +318,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     halted = False
     val = None
     watchdog = distributed.StepWatchdog(config.step_timeout_s)
+    tb = None
+    if config.tensorboard and lead:
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:
+            raise ValueError("config.tensorboard=True needs tensorboardX: "
+                             "pip install 'trjax[tensorboard]'") from None
+        tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
     with open(metrics_path, "a" if start_epoch > 1 or start_batch else "w") if lead \
             else contextlib.nullcontext() as log, count_backend_compiles() as loop_compiles, \
             watchdog:
@@ -324,9 +333,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             t0 = time.perf_counter()
             first = start_batch if epoch == start_epoch else 0
             step_index = (epoch - 1) * steps_per_epoch + first
-            batches = input_pipeline.iterate_batches(
+            batches = datasets.prefetch(input_pipeline.iterate_batches(
                 data.train, world.global_batch_size, shuffle=True, seed=config.seed, epoch=epoch,
-                remainder=config.train_remainder, rows=rows, start=first)
+                remainder=config.train_remainder, rows=rows, start=first,
+                augment=config.augment, image_shape=data.image_shape), depth=config.prefetch)
             with _progress(steps_per_epoch - first, epoch, show_bar) as bar:
                 for b, batch in enumerate(batches, start=first + 1):
                     step_index += 1
@@ -365,10 +375,17 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             if lead:
                 log.write(json.dumps(row) + "\n")
                 log.flush()
+            if tb is not None:
+                for k, v in row.items():
+                    if k not in ("epoch", "step"):
+                        tb.add_scalar(k, v, step_index)
+                tb.flush()
             say(f"epoch {epoch:3d}  train loss {row['train_loss']:.4f} top1 {row['train_top1']:.4f}"
                 f"  | val loss {row['val_loss']:.4f} top1 {row['val_top1']:.4f} "
                 f"top5 {row['val_top5']:.4f}  | {row['images_per_s']:.0f} img/s")
 
+    if tb is not None:
+        tb.close()
     if val is None:  # resumed at the very end, or halted before any evaluation
         val = evaluate_pass(tr, state)
     summary = {

@@ -1,0 +1,72 @@
+"""The users' side: the notebook, a CIFAR-format run, the plot script, config errors, quiet mode."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+PY = sys.executable
+
+
+def _run(*args, timeout=300):
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run([PY, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env)
+
+
+def test_notebook_code_cells_run(tmp_path):
+    nb = json.load(open(os.path.join(ROOT, "notebooks", "quickstart.ipynb")))
+    code = "\n\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+    code = "import matplotlib\nmatplotlib.use('Agg')\n" + code.replace(
+        "plt.show()", f"plt.savefig({str(tmp_path / 'nb.png')!r})")
+    script = tmp_path / "nb.py"
+    script.write_text(code)
+    out = _run(str(script))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "epoch 4:" in out.stdout and "all-reduce" in out.stdout
+    top1 = float(out.stdout.split("epoch 4:")[1].split("val top-1")[1].split()[0])
+    assert top1 > 0.8
+    assert (tmp_path / "nb.png").stat().st_size > 10_000
+
+
+def test_cifar_format_run_plot_and_quiet_mode(tmp_path):
+    out = _run("scripts/make_tiny_cifar.py", str(tmp_path / "data"), "--per_batch", "100")
+    assert out.returncode == 0, out.stderr
+    work = tmp_path / "run"
+    out = _run("scripts/train.py", "--config", "configs/cifar10_resnet20.py", "--workdir", str(work),
+               f"--config.data_dir={tmp_path / 'data'}", "--config.model=resnet8",
+               "--config.num_epochs=2", "--config.eval_batch_size=64", "--config.tensorboard=True")
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["dataset"] == "cifar10" and summary["val_examples"] == 1297
+    assert summary["compiles_during_training"] == 0
+    # not a terminal: no progress bar in the output
+    assert "\r" not in out.stdout + out.stderr and "step/s" not in out.stderr
+    assert os.listdir(work / "tensorboard")
+    out = _run("scripts/plot.py", str(work))
+    assert out.returncode == 0, out.stderr
+    png = (work / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("--config.bn_mod=sync", "no such config field; did you mean bn_mode"),
+    ("--config.num_epochs=ten", "--config.num_epochs='ten': expected an int"),
+    ("--config.halt_on_nonfinite=maybe", "expected a bool"),
+    ("--config.distributed.num_proceses=2", "did you mean distributed.num_processes"),
+    ("--config.dataset=cifar10", "dataset 'cifar10' reads files: set config.data_dir"),
+])
+def test_config_errors_are_clear(tmp_path, override, needle):
+    out = _run("scripts/train.py", "--config", "configs/default.py", "--workdir", str(tmp_path),
+               override, timeout=120)
+    assert out.returncode != 0
+    assert needle in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+def test_plot_without_metrics_is_a_clear_error(tmp_path):
+    out = _run("scripts/plot.py", str(tmp_path))
+    assert out.returncode != 0 and "metrics.jsonl does not exist" in out.stderr

@@ -1,0 +1,77 @@
+"""Command-line overrides checked before anything runs: unknown keys and wrong types.
+
+``ml_collections``' own messages for ``--config.KEY=VALUE`` do not suggest the
+key you meant; :func:`check_overrides` does, and is called by the scripts
+before flag parsing.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+
+import ml_collections
+
+
+def load_config_file(path: str) -> ml_collections.ConfigDict:
+    """Imports ``path`` and returns its ``get_config()``.
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: the file defines no ``get_config``.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"config file {path!r} does not exist (e.g. configs/default.py)")
+    spec = importlib.util.spec_from_file_location("trjax_user_config", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ValueError(f"config file {path!r} defines no get_config()")
+    return module.get_config()
+
+
+def _keys(cfg, prefix=""):
+    for k, v in cfg.items():
+        yield prefix + k
+        if isinstance(v, ml_collections.ConfigDict):
+            yield from _keys(v, prefix + k + ".")
+
+
+def check_overrides(config: ml_collections.ConfigDict, argv: list[str]) -> None:
+    """Checks every ``--config.KEY=VALUE`` in ``argv`` against ``config``.
+
+    Raises:
+      ValueError: an unknown key (with the closest known keys), or a value
+        that does not parse as the field's type (names both).
+    """
+    known = list(_keys(config))
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        key, eq, value = arg[len("--config."):].partition("=")
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"--config.{key}: no such config field{hint} "
+                             f"(fields: {', '.join(k for k in known if '.' not in k)})")
+        if not eq:
+            continue
+        current = config
+        for part in key.split("."):
+            current = current[part]
+        if isinstance(current, bool):
+            if value.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(f"--config.{key}={value!r}: expected a bool (True/False)")
+        elif isinstance(current, int):
+            try:
+                int(value)
+            except ValueError:
+                raise ValueError(f"--config.{key}={value!r}: expected an int "
+                                 f"(default {current!r})") from None
+        elif isinstance(current, float):
+            try:
+                float(value)
+            except ValueError:
+                raise ValueError(f"--config.{key}={value!r}: expected a number "
+                                 f"(default {current!r})") from None
