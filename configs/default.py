@@ -31,7 +31,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.allreduce = "xla"            # "xla" (psum -> NCCL), "ring", "halving_doubling", "tree"
     c.compression = "none"         # "none", "bf16", "fp16", "powersgd", "topk"
     c.powersgd_rank = 2
+    c.compression_start_step = 0   # all-reduce uncompressed before this step (PowerSGD warm-up)
     c.topk_ratio = 0.01
+    c.accumulation_steps = 1       # micro-batches per optimizer step (one all-reduce per step)
+    c.shard_optimizer_state = False  # ZeRO-1: reduce-scatter, 1/N optimizer state, all-gather
     c.precision = "fp32"           # "fp32", "bf16" (fp32 master weights), "fp16" (dynamic loss scale)
     c.loss_scale_growth_interval = 2000  # fp16: double the loss scale after this many good steps
     # optimisation

@@ -66,3 +66,48 @@ def test_powersgd_state_is_carried():
     err = new.comm_state["deep"]["error"]
     assert err.shape[0] == 8 and np.abs(err).max() > 0  # error feedback, one row per replica
     assert m[3] == 32
+
+
+def test_accumulation_equals_twice_the_replicas():
+    """k=2 micro-batches on 4 devices == one plain step on 8 devices (running BN)."""
+    batch = random_batch(32, seed=11)
+    out = {}
+    for spec, k in (("8", 1), ("4", 2)):
+        world, model, plan, tx, state = setup(spec, 32, "running")
+        step = steps.compile_step("train", steps.make_train_step(
+            model, tx, plan, world, "running", accumulation_steps=k),
+            state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+        new, m = step(state, jax.device_put(batch, world.sharded()))
+        out[k] = (to_host(new), np.asarray(m), comm.collectives_in_hlo(step.hlo_text()))
+    assert max_rel(out[2][0].params, out[1][0].params) <= 1e-5
+    assert max_rel(out[2][0].batch_stats, out[1][0].batch_stats) <= 1e-5
+    np.testing.assert_allclose(out[2][1], out[1][1], rtol=1e-5)
+    assert len(out[2][2]) == len(out[1][2]) == 3  # one all-reduce per bucket (+ BN stats)
+
+
+def test_zero1_equals_replicated_optimizer_and_shards_its_state():
+    import optax
+    from trjax import optim
+    batch = random_batch(32, seed=12)
+    world, model, plan, _, state = setup("all", 32, "running")
+    lr, wd = 0.1, 1e-3
+    results = {}
+    for zero1 in (False, True):
+        tx = optax.sgd(lr, momentum=0.9) if zero1 else optim.make_optimizer(
+            "sgd", lr, None, plan, weight_decay=wd, momentum=0.9)
+        st = steps.create_train_state(jax.random.key(0), model, tx, world, (8, 8, 1), "running",
+                                      plan=plan, zero1=zero1)
+        step = steps.compile_step("train", steps.make_train_step(
+            model, tx, plan, world, "running", zero1=zero1, weight_decay=wd),
+            st, jax.device_put(batch, world.sharded()), donate_argnums=0)
+        for i in range(3):  # momentum history matters
+            st, m = step(st, jax.device_put(random_batch(32, seed=20 + i), world.sharded()))
+        results[zero1] = (to_host(st.params), np.asarray(m), step)
+    assert max_rel(results[True][0], results[False][0]) <= 1e-5
+    np.testing.assert_allclose(results[True][1], results[False][1], rtol=1e-5)
+    kinds = [c["kind"] for c in comm.collectives_in_hlo(results[True][2].hlo_text())]
+    assert kinds.count("reduce-scatter") == 2 and "all-gather" in kinds
+    # the optimizer state per device is ~1/8: argument bytes shrink by ~7/8 of the momentum
+    mem = {z: results[z][2].memory()["argument"] for z in (False, True)}
+    momentum_bytes = plan.gradient_bytes
+    assert mem[False] - mem[True] >= 0.8 * momentum_bytes * 7 / 8

@@ -213,3 +213,31 @@ def test_bad_options_raise_naming_the_value():
         C.topk(0.5, method="sparse")
     with pytest.raises(ValueError, match=r"\(2, 3\)"):
         C.bf16().init(jnp.zeros((2, 3)))
+
+
+def test_powersgd_layers_full_rank_is_exact_and_vectors_exact():
+    import numpy as np
+    from jax.sharding import Mesh, PartitionSpec as P
+    from trjax import compression
+    n_dev = 4
+    mesh = Mesh(np.array(jax.devices()[:n_dev]), ("data",))
+    rng = np.random.default_rng(0)
+    # buffer: a 6x3 matrix at offset 2, vectors around it
+    n = 2 + 18 + 5
+    x = rng.normal(size=(n_dev, n)).astype(np.float32)
+    comp = compression.powersgd_layers(rank=3, matrices=[(2, 6, 3)])
+    state = comp.init(jax.ShapeDtypeStruct((n,), jnp.float32))
+
+    def f(b):
+        out, st = comp.allreduce(b[0], state, "data")
+        return out[None], st["error"][None]
+
+    out, err = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                     check_vma=False))(x)
+    out, err = np.asarray(out), np.asarray(err)
+    np.testing.assert_allclose(out[0], x.sum(0), rtol=1e-4, atol=1e-4)  # full rank: exact sum
+    np.testing.assert_array_equal(out[0][:2], out[1][:2])
+    np.testing.assert_allclose(err[:, :2], 0.0)  # vectors are sent exactly: no error kept
+    np.testing.assert_allclose(err.sum(0), 0.0, atol=1e-4)  # errors cancel at full rank
+    with pytest.raises(ValueError, match="overlaps another or leaves the buffer"):
+        compression.powersgd_layers(2, [(20, 6, 3)]).init(jax.ShapeDtypeStruct((n,), jnp.float32))

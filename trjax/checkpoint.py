@@ -31,7 +31,7 @@ import orbax.checkpoint as ocp
 from trjax.world import host_value
 
 COMPATIBLE_FIELDS = ("model", "bn_mode", "global_batch_size", "dataset", "optimizer",
-                     "precision", "seed", "buckets", "compression")
+                     "precision", "seed", "buckets", "compression", "shard_optimizer_state")
 
 
 def manager(directory: str, max_to_keep: int = 3) -> ocp.CheckpointManager:

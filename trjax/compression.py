@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["Compressor", "none", "cast_compression", "bf16", "fp16", "powersgd",
+__all__ = ["Compressor", "none", "cast_compression", "bf16", "fp16", "powersgd", "powersgd_layers",
            "powersgd_matrix_shape", "topk", "topk_k", "COMPRESSORS", "make_compressor"]
 
 
@@ -146,6 +146,88 @@ def powersgd_matrix_shape(n: int) -> tuple[int, int]:
         raise ValueError(f"PowerSGD needs a non-empty buffer, got n={n}")
     rows = math.isqrt(n - 1) + 1
     return rows, -(-n // rows)
+
+
+def powersgd_layers(rank: int = 2, matrices=(), seed: int = 0) -> Compressor:
+    """PowerSGD with one matrix per layer, as in the paper (Vogels et al. 2019, Alg. 1).
+
+    ``matrices`` lists ``(offset, rows, cols)`` views of the flat buffer (a
+    conv kernel ``[kh, kw, in, out]`` is ``[kh * kw * in, out]``); every other
+    element (BN scales and biases, dense biases: vectors, which the paper and
+    PyTorch's ``powerSGD_hook`` also leave uncompressed) is summed exactly.
+    Each matrix gets rank ``min(rank, rows, cols)``. Still TWO all-reduces per
+    buffer: all ``P`` factors plus the exact elements in the first, all ``Q``
+    factors in the second. Error feedback and warm-started ``Q`` as in
+    :func:`powersgd`.
+
+    Returns:
+      A :class:`Compressor`; state ``{"error": [n], "q": (one [cols, r] per
+      matrix)}``.
+
+    Raises:
+      ValueError: ``rank < 1``, or matrices that overlap or leave the buffer.
+    """
+    if int(rank) != rank or rank < 1:
+        raise ValueError(f"PowerSGD rank must be an int >= 1, got {rank!r}")
+    hi = lax.Precision.HIGHEST
+    mats = sorted((int(o), int(r), int(c)) for o, r, c in matrices)
+    ranks = [min(rank, r, c) for _, r, c in mats]
+
+    def segments(n):
+        out, pos = [], 0
+        for (o, r, c) in mats:
+            if o < pos or o + r * c > n:
+                raise ValueError(f"PowerSGD matrix at offset {o} of shape [{r}, {c}] overlaps "
+                                 f"another or leaves the buffer of {n}")
+            if o > pos:
+                out.append(("vec", pos, o - pos))
+            out.append(("mat", o, r, c))
+            pos = o + r * c
+        if pos < n:
+            out.append(("vec", pos, n - pos))
+        return out
+
+    def init(buffer):
+        n = _check_flat(buffer)
+        segments(n)
+        keys = jax.random.split(jax.random.key(seed), max(len(mats), 1))
+        return {"error": jnp.zeros((n,), jnp.float32),
+                "q": tuple(jax.random.normal(k, (c, rk), jnp.float32)
+                           for k, (_, _, c), rk in zip(keys, mats, ranks))}
+
+    def allreduce(buffer, state, axis_name):
+        n = _check_flat(buffer)
+        segs = segments(n)
+        m_flat = buffer.astype(jnp.float32) + state["error"]
+        ms = [m_flat[o:o + r * c].reshape(r, c) for (o, r, c) in mats]
+        vecs = [m_flat[seg[1]:seg[1] + seg[2]] for seg in segs if seg[0] == "vec"]
+        ps = [jnp.matmul(m, q, precision=hi) for m, q in zip(ms, state["q"])]
+        first = lax.psum(jnp.concatenate([p.reshape(-1) for p in ps] + vecs), axis_name)
+        p_hats, pos = [], 0
+        for p in ps:
+            p_hats.append(jnp.linalg.qr(first[pos:pos + p.size].reshape(p.shape), mode="reduced")[0])
+            pos += p.size
+        exact = first[pos:]
+        q_locals = [jnp.matmul(m.T, ph, precision=hi) for m, ph in zip(ms, p_hats)]
+        second = lax.psum(jnp.concatenate([q.reshape(-1) for q in q_locals]), axis_name)
+        qs, pos = [], 0
+        for ql in q_locals:
+            qs.append(second[pos:pos + ql.size].reshape(ql.shape))
+            pos += ql.size
+        reduced, mine, vi, mi, vpos = [], [], 0, 0, 0
+        for seg in segs:
+            if seg[0] == "vec":
+                reduced.append(exact[vpos:vpos + seg[2]])
+                mine.append(m_flat[seg[1]:seg[1] + seg[2]])  # sent exactly: no error left
+                vpos += seg[2]
+            else:
+                reduced.append(jnp.matmul(p_hats[mi], qs[mi].T, precision=hi).reshape(-1))
+                mine.append(jnp.matmul(p_hats[mi], q_locals[mi].T, precision=hi).reshape(-1))
+                mi += 1
+        reduced, mine = jnp.concatenate(reduced), jnp.concatenate(mine)
+        return reduced.astype(buffer.dtype), {"error": m_flat - mine, "q": tuple(qs)}
+
+    return Compressor(init, allreduce)
 
 
 def powersgd(rank: int = 1, seed: int = 0) -> Compressor:

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trjax import collectives
 from trjax.batchnorm import fold_batchnorm_tree
@@ -69,9 +69,14 @@ class TrainState:
     comm_state: Any = None
 
 
-def state_specs(bn_mode: str) -> TrainState:
-    """shard_map partition specs of a :class:`TrainState` (a pytree prefix)."""
-    return TrainState(step=P(), params=P(), opt_state=P(), skipped_steps=P(), loss_scale=P(),
+def state_specs(bn_mode: str, opt_specs=None) -> TrainState:
+    """shard_map partition specs of a :class:`TrainState` (a pytree prefix).
+
+    ``opt_specs``: specs of the optimizer state when it is sharded (ZeRO-1,
+    :func:`zero1_opt_specs`); replicated otherwise.
+    """
+    return TrainState(step=P(), params=P(), opt_state=P() if opt_specs is None else opt_specs,
+                      skipped_steps=P(), loss_scale=P(),
                       good_steps=P(), batch_stats=P(DATA_AXIS) if bn_mode == "local" else P(),
                       comm_state=P(DATA_AXIS))
 
@@ -103,7 +108,7 @@ def batch_metrics(logits, labels, mask):
 def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
                        world: World, image_shape: tuple, bn_mode: str,
                        loss_scale: float = 1.0, plan: MemoryPlan | None = None,
-                       compressor=None) -> TrainState:
+                       compressor=None, zero1: bool = False) -> TrainState:
     """Initialises on every replica, then broadcasts rank 0's parameters.
 
     Each replica runs ``model.init`` with its own key ``fold_in(rng, rank)``
@@ -121,6 +126,7 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
       loss_scale: initial loss scale (fp16 dynamic scaling; 1.0 otherwise).
       plan, compressor: with a :class:`trjax.compression.Compressor`, its
         initial state for every bucket of ``plan`` (one row per replica).
+      zero1: the optimizer state is ZeRO-1 sharded (see :func:`make_train_step`).
 
     Returns:
       A :class:`TrainState` laid out as :func:`state_specs` says.
@@ -144,14 +150,22 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
         batch_stats = jax.tree_util.tree_map(
             lambda x: world.put(np.broadcast_to(host_value(x), (n,) + x.shape), world.sharded()),
             batch_stats)
-    opt_state = jax.jit(tx.init, out_shardings=world.replicated())(params)
+    if zero1:  # flat {bucket: [padded]} state, split over the data axis
+        specs = zero1_opt_specs(tx, plan, n)
+        flat = {b: np.zeros(size, np.float32) for b, (size, _) in zero1_layout(plan, n).items()}
+        opt_state = jax.jit(tx.init, out_shardings=jax.tree_util.tree_map(
+            lambda sp: NamedSharding(world.mesh, sp), specs))(flat)
+    else:
+        opt_state = jax.jit(tx.init, out_shardings=world.replicated())(params)
     scalar = lambda v, dt: world.put(np.asarray(v, dt))
     comm_state = {}
     if compressor is not None:
+        per_bucket = compressor if isinstance(compressor, dict) else \
+            {b: compressor for b in plan.bucket_sizes}
         comm_state = {b: jax.tree_util.tree_map(
             lambda x: world.put(np.broadcast_to(np.asarray(x), (n,) + x.shape), world.sharded()),
-            compressor.init(jax.ShapeDtypeStruct((size - (4 if b == plan.metrics_slot[0] else 0),),
-                                                 jnp.float32)))
+            per_bucket[b].init(jax.ShapeDtypeStruct(
+                (size - (len(METRICS) if b == plan.metrics_slot[0] else 0),), jnp.float32)))
             for b, size in plan.bucket_sizes.items()}
     state = TrainState(step=scalar(0, np.int32), params=params, batch_stats=batch_stats,
                        opt_state=opt_state, skipped_steps=scalar(0, np.int32),
@@ -185,10 +199,48 @@ def build_plan(model: nn.Module, image_shape: tuple, policy: str = "two") -> Mem
 # the steps
 # --------------------------------------------------------------------------
 
+def layer_matrices(plan: MemoryPlan, bucket: str) -> list[tuple[int, int, int]]:
+    """``(offset, rows, cols)`` of every conv/dense kernel in ``bucket``, offsets
+    counted with the metric sums taken out of the bucket (as the compressed
+    all-reduce sends them apart): the per-layer matrices of PowerSGD."""
+    from trjax.optim import KERNEL_REGIONS
+    mb, mo = plan.metrics_slot
+    out = []
+    for slot in plan.slots:
+        if slot.bucket == bucket and slot.region in KERNEL_REGIONS and len(slot.shape) >= 2:
+            off = slot.offset - (len(METRICS) if bucket == mb and slot.offset > mo else 0)
+            out.append((off, slot.size // slot.shape[-1], slot.shape[-1]))
+    return out
+
+
+def zero1_layout(plan: MemoryPlan, world_size: int) -> dict[str, tuple[int, np.ndarray]]:
+    """ZeRO-1 layout: per bucket, the padded length (a multiple of the world
+    size) and a float32 mask of the kernel elements (weight decay applies there)."""
+    from trjax.optim import KERNEL_REGIONS
+    out = {}
+    for b, n in plan.bucket_sizes.items():
+        mask = np.zeros(n + (-n) % world_size, np.float32)
+        for slot in plan.slots:
+            if slot.bucket == b and slot.region in KERNEL_REGIONS:
+                mask[slot.offset:slot.offset + slot.size] = 1.0
+        out[b] = (len(mask), mask)
+    return out
+
+
+def zero1_opt_specs(tx: optax.GradientTransformation, plan: MemoryPlan, world_size: int):
+    """Partition specs of a ZeRO-1 optimizer state: arrays split over the data
+    axis (each device holds 1/N), scalars (step counts) replicated."""
+    flat = {b: jax.ShapeDtypeStruct((n,), jnp.float32)
+            for b, (n, _) in zero1_layout(plan, world_size).items()}
+    return jax.tree_util.tree_map(lambda x: P() if x.ndim == 0 else P(DATA_AXIS),
+                                  jax.eval_shape(tx.init, flat))
+
+
 def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: MemoryPlan,
                     world: World, bn_mode: str, dynamic_loss_scale: bool = False,
                     growth_interval: int = 2000, allreduce: str = "xla",
-                    compressor=None) -> Callable:
+                    compressor=None, accumulation_steps: int = 1, zero1: bool = False,
+                    weight_decay: float = 0.0, compression_start_step: int = 0) -> Callable:
     """Returns ``train_step(state, batch) -> (state, metrics)`` over ``world``.
 
     Args (of the returned function, global view):
@@ -208,12 +260,29 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
     ``allreduce`` picks the algorithm of the bucket all-reduces
     (:mod:`trjax.allreduce`: ``xla`` = ``lax.psum``, lowered to NCCL on GPUs;
     ``ring``, ``halving_doubling``, ``tree`` written with ``ppermute``).
-    ``compressor`` (:mod:`trjax.compression`) compresses each bucket's gradients;
+    ``compressor`` (:mod:`trjax.compression`, or ``{bucket: compressor}``)
+    compresses each bucket's gradients;
     the metric sums then travel uncompressed in one small extra all-reduce
-    (they must stay exact). Both run the step with ``check_vma=False``: their
+    (they must stay exact). Before ``compression_start_step`` the buckets are
+    all-reduced uncompressed (``lax.cond``; PyTorch's ``start_powerSGD_iter``).
+    Both run the step with ``check_vma=False``: their
     results are replicated in value but typed per-device by JAX.
+
+    ``accumulation_steps`` = k splits each device's local batch into k
+    micro-batches whose gradients and metric sums are accumulated locally
+    (``lax.scan``) before the one all-reduce of the step.
+
+    ``zero1`` (ZeRO stage 1, Rajbhandari et al., SC 2020): each bucket is
+    reduce-scattered instead of all-reduced; each device updates its 1/N
+    shard of the parameters with its 1/N shard of the optimizer state, and the
+    new parameters are all-gathered. ``tx`` must then be elementwise (momentum
+    SGD) and gets flat ``{bucket: shard}`` trees; ``weight_decay`` is applied
+    here to the kernel elements (as ``add_decayed_weights`` with the kernel
+    mask would). The metric sums and a non-finite flag travel in one small
+    all-reduce.
     """
     axis = DATA_AXIS
+    check_vma = allreduce == "xla" and compressor is None and not zero1
 
     def local_step(state: TrainState, batch):
         bs = state.batch_stats
@@ -223,31 +292,52 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
 
         scale = state.loss_scale if dynamic_loss_scale else None
 
-        def loss_fn(params):
-            logits, new_vars = model.apply({"params": params, "batch_stats": bs}, batch["image"],
-                                           train=True, mask=batch["mask"], mutable=["batch_stats"])
-            metrics = batch_metrics(logits, batch["label"], batch["mask"])
+        def loss_fn(params, micro):
+            logits, new_vars = model.apply({"params": params, "batch_stats": bs}, micro["image"],
+                                           train=True, mask=micro["mask"], mutable=["batch_stats"])
+            metrics = batch_metrics(logits, micro["label"], micro["mask"])
             loss = metrics[0] if scale is None else metrics[0] * scale
             return loss, (metrics, new_vars["batch_stats"])
 
-        (_, (metrics, new_bs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params_v)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        if accumulation_steps == 1:
+            (_, (metrics, new_bs)), grads = grad_fn(params_v, batch)
+        else:
+            # k micro-batches summed locally, ONE all-reduce per optimizer step. Each
+            # micro-batch's BN running-stat update starts from the step's statistics and
+            # the k results are averaged: exactly what k times as many replicas would do.
+            k = accumulation_steps
+            micro = jax.tree_util.tree_map(lambda x: x.reshape((k, -1) + x.shape[1:]), batch)
+
+            def body(carry, mb):
+                (_, (m, st)), g = grad_fn(params_v, mb)
+                return jax.tree_util.tree_map(jnp.add, carry, (g, m, st)), None
+
+            (_, (metrics, bs_sum)), grads = grad_fn(
+                params_v, jax.tree_util.tree_map(lambda x: x[0], micro))
+            (grads, metrics, bs_sum), _ = lax.scan(
+                body, (grads, metrics, bs_sum), jax.tree_util.tree_map(lambda x: x[1:], micro))
+            new_bs = jax.tree_util.tree_map(lambda x: x / k, bs_sum)
         buffers = plan.pack(grads, lax.stop_gradient(metrics))
         new_comm = state.comm_state
-        if compressor is None:
+        if zero1:
+            params, opt_state, metrics, finite, last = zero1_update(state, buffers, scale)
+        elif compressor is None:
             reduced = collectives.allreduce_buckets(buffers, axis, chain=plan.policy != "per_leaf",
                                                     reduce_fn=reduce_fn)
         else:
-            reduced, new_comm = compressed_allreduce(buffers, state.comm_state)
-        grads, metrics = plan.unpack(reduced)
-        last = list(reduced.values())[-1]
-        # every replica sees the same reduced values: they agree without a collective
-        finite = jnp.isfinite(sum(jnp.sum(b) for b in reduced.values()))
-        inv_count = 1.0 / jnp.maximum(metrics[3], 1.0)
-        if scale is not None:
-            inv_count = inv_count / scale
-        grads = jax.tree_util.tree_map(lambda g: g * inv_count, grads)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
+            reduced, new_comm = compressed_allreduce(buffers, state.comm_state, state.step)
+        if not zero1:
+            grads, metrics = plan.unpack(reduced)
+            last = list(reduced.values())[-1]
+            # every replica sees the same reduced values: they agree without a collective
+            finite = jnp.isfinite(sum(jnp.sum(b) for b in reduced.values()))
+            inv_count = 1.0 / jnp.maximum(metrics[3], 1.0)
+            if scale is not None:
+                inv_count = inv_count / scale
+            grads = jax.tree_util.tree_map(lambda g: g * inv_count, grads)
+            updates, opt_state = tx.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
 
         if bn_mode == "running":
             stats = collectives.allreduce_batch_stats(plan.pack_stats(new_bs), axis,
@@ -278,27 +368,68 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
     reduce_fn = None if allreduce == "xla" else allreduce_lib.ALGORITHMS[allreduce]
     mbucket, moff = plan.metrics_slot
 
-    def compressed_allreduce(buffers, comm_state):
+    per_bucket = compressor if isinstance(compressor, dict) else \
+        {b: compressor for b in plan.bucket_sizes}
+
+    def compressed_allreduce(buffers, comm_state, step):
         reduced, new_comm, previous = {}, {}, None
         for b, x in buffers.items():
             if previous is not None:
                 x = collectives.after(x, previous)
             st = jax.tree_util.tree_map(lambda v: v[0], comm_state[b])
+            compress = per_bucket[b].allreduce
+            if compression_start_step > 0:
+                compress = lambda g, st, ax, f=compress: lax.cond(
+                    step < compression_start_step, lambda g, st: (lax.psum(g, ax), st),
+                    lambda g, st: f(g, st, ax), g, st)
             if b == mbucket:  # metrics leave the bucket: they must stay exact
                 m = lax.psum(x[moff:moff + len(METRICS)], axis)
                 g = jnp.concatenate([x[:moff], x[moff + len(METRICS):]])
-                g, st = compressor.allreduce(g, st, axis)
+                g, st = compress(g, st, axis)
                 x = jnp.concatenate([g[:moff], m, g[moff:]])
             else:
-                x, st = compressor.allreduce(x, st, axis)
+                x, st = compress(x, st, axis)
             reduced[b] = previous = x
             new_comm[b] = jax.tree_util.tree_map(lambda v: v[None], st)
         return reduced, new_comm
 
+    layout = zero1_layout(plan, world.world_size) if zero1 else {}
+
+    def zero1_update(state, buffers, scale):
+        n, rank = world.world_size, lax.axis_index(axis)
+        shards, previous = {}, None
+        for b, x in buffers.items():  # reduce-scatter, one per bucket, in order
+            x = jnp.pad(x, (0, layout[b][0] - x.shape[0]))
+            if previous is not None:
+                x = collectives.after(x, previous)
+            shards[b] = previous = lax.psum_scatter(x, axis, tiled=True)
+        mb, mo = plan.metrics_slot
+        local_bad = 1.0 - jnp.isfinite(sum(jnp.sum(v) for v in shards.values())).astype(jnp.float32)
+        summed = lax.psum(jnp.concatenate([buffers[mb][mo:mo + len(METRICS)], local_bad[None]]),
+                          axis)
+        metrics, finite = summed[:len(METRICS)], summed[len(METRICS)] == 0
+        inv_count = 1.0 / jnp.maximum(metrics[3], 1.0)
+        if scale is not None:
+            inv_count = inv_count / scale
+        pflat = plan.pack(state.params, jnp.zeros(len(METRICS)))
+        mine, grads = {}, {}
+        for b, g in shards.items():
+            size = layout[b][0] // n
+            p_full = jnp.pad(pflat[b], (0, layout[b][0] - pflat[b].shape[0]))
+            mine[b] = lax.dynamic_slice_in_dim(p_full, rank * size, size)
+            mask = lax.dynamic_slice_in_dim(jnp.asarray(layout[b][1]), rank * size, size)
+            grads[b] = g * inv_count + weight_decay * mask * mine[b]
+        updates, opt_state = tx.update(grads, state.opt_state, mine)
+        new_flat = {b: lax.all_gather(mine[b] + updates[b], axis, tiled=True)[:pflat[b].shape[0]]
+                    for b in shards}
+        params, _ = plan.unpack(new_flat)
+        return params, opt_state, metrics, finite, previous
+
+    opt_specs = zero1_opt_specs(tx, plan, world.world_size) if zero1 else None
     return jax.shard_map(local_step, mesh=world.mesh,
-                         in_specs=(state_specs(bn_mode), BATCH_SPEC),
-                         out_specs=(state_specs(bn_mode), P()),
-                         check_vma=reduce_fn is None and compressor is None)
+                         in_specs=(state_specs(bn_mode, opt_specs), BATCH_SPEC),
+                         out_specs=(state_specs(bn_mode, opt_specs), P()),
+                         check_vma=check_vma)
 
 
 def make_fold_bn(world: World, bn_mode: str) -> Callable:

@@ -126,6 +126,11 @@ def setup(config: ml_collections.ConfigDict,
     validate_config(config)
     world = make_world(config.devices, config.global_batch_size)
     check_batch_split(config.eval_batch_size, world.world_size)
+    k = config.accumulation_steps
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or world.local_batch_size % k:
+        raise ValueError(f"config.accumulation_steps={k!r} must be a positive int dividing the "
+                         f"local batch {world.local_batch_size} (global {world.global_batch_size}"
+                         f" / world size {world.world_size})")
     if data is None:
         data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size)
 
@@ -136,22 +141,34 @@ def setup(config: ml_collections.ConfigDict,
                                 dtype=dtype)
     plan = steps.build_plan(model, data.image_shape, config.buckets)
     compressor = None
-    if config.compression != "none":
-        options = {"powersgd": {"rank": config.powersgd_rank},
-                   "topk": {"ratio": config.topk_ratio}}.get(config.compression, {})
+    if config.compression == "powersgd":  # one matrix per layer, vectors exact (the paper's)
+        compressor = {b: compression.powersgd_layers(config.powersgd_rank,
+                                                     steps.layer_matrices(plan, b))
+                      for b in plan.bucket_sizes}
+    elif config.compression != "none":
+        options = {"topk": {"ratio": config.topk_ratio}}.get(config.compression, {})
         compressor = compression.make_compressor(config.compression, **options)
     train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
                                                  config.train_remainder)
     total_steps = train_steps * config.num_epochs
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps, total_steps)
-    tx = optim.make_optimizer(config.optimizer, schedule, None, plan, momentum=config.momentum,
-                              weight_decay=config.weight_decay, nesterov=config.nesterov,
-                              trust_coefficient=config.trust_coefficient)
+    zero1 = bool(config.shard_optimizer_state)
+    if zero1:
+        if config.optimizer != "sgd" or config.compression != "none" or config.allreduce != "xla":
+            raise ValueError("config.shard_optimizer_state=True (ZeRO-1) needs optimizer='sgd', "
+                             "compression='none' and allreduce='xla' (got "
+                             f"{config.optimizer!r}, {config.compression!r}, {config.allreduce!r})")
+        import optax  # elementwise momentum SGD on flat shards; decay applied by the step
+        tx = optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov)
+    else:
+        tx = optim.make_optimizer(config.optimizer, schedule, None, plan, momentum=config.momentum,
+                                  weight_decay=config.weight_decay, nesterov=config.nesterov,
+                                  trust_coefficient=config.trust_coefficient)
     state = steps.create_train_state(jax.random.key(config.seed), model, tx, world,
                                      data.image_shape, config.bn_mode,
                                      loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0,
-                                     plan=plan, compressor=compressor)
+                                     plan=plan, compressor=compressor, zero1=zero1)
 
     def example(n):
         return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape, dtype,
@@ -163,7 +180,10 @@ def setup(config: ml_collections.ConfigDict,
         "train_step", steps.make_train_step(model, tx, plan, world, config.bn_mode,
                                             dynamic_loss_scale=fp16,
                                             growth_interval=config.loss_scale_growth_interval,
-                                            allreduce=config.allreduce, compressor=compressor),
+                                            allreduce=config.allreduce, compressor=compressor,
+                                            accumulation_steps=config.accumulation_steps,
+                                            zero1=zero1, weight_decay=config.weight_decay,
+                                            compression_start_step=config.compression_start_step),
         state, example(world.global_batch_size), donate_argnums=0)
     fold_bn = steps.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state)
     folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
