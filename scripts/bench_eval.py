@@ -68,4 +68,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from trjax.config import check_argv
+    check_argv(sys.argv)
     app.run(main)

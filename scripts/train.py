@@ -51,18 +51,7 @@ def main(argv):
               f"-> {os.path.join(flags.FLAGS.workdir, 'summary.json')}")
 
 
-def _check_argv(argv):
-    """Unknown --config.KEY or a wrong type: a clear error before anything runs."""
-    from trjax.config import check_overrides, load_config_file
-    path = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
-                 for i, a in enumerate(argv) if a.split("=")[0] == "--config"), None)
-    if path:
-        try:
-            check_overrides(load_config_file(path), argv)
-        except (ValueError, FileNotFoundError) as e:
-            sys.exit(f"error: {e}")
-
-
 if __name__ == "__main__":
-    _check_argv(sys.argv)
+    from trjax.config import check_argv
+    check_argv(sys.argv)
     app.run(main)

@@ -63,15 +63,26 @@ def check_overrides(config: ml_collections.ConfigDict, argv: list[str]) -> None:
         if isinstance(current, bool):
             if value.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(f"--config.{key}={value!r}: expected a bool (True/False)")
-        elif isinstance(current, int):
-            try:
-                int(value)
-            except ValueError:
-                raise ValueError(f"--config.{key}={value!r}: expected an int "
-                                 f"(default {current!r})") from None
-        elif isinstance(current, float):
-            try:
-                float(value)
-            except ValueError:
-                raise ValueError(f"--config.{key}={value!r}: expected a number "
-                                 f"(default {current!r})") from None
+            continue
+        for kind, parse, word in ((int, int, "an int"), (float, float, "a number")):
+            if isinstance(current, kind):
+                try:
+                    parse(value)
+                except ValueError:
+                    raise ValueError(f"--config.{key}={value!r}: expected {word} "
+                                     f"(default {current!r})") from None
+                break
+
+
+def check_argv(argv: list[str]) -> None:
+    """For scripts: finds ``--config PATH`` in ``argv`` and checks the
+    overrides; on a bad one, exits with ``error: <message>`` (status 1)."""
+    import sys
+    path = next((a.split("=", 1)[1] if "=" in a else argv[i + 1]
+                 for i, a in enumerate(argv) if a.split("=")[0] == "--config" and
+                 ("=" in a or i + 1 < len(argv))), None)
+    if path:
+        try:
+            check_overrides(load_config_file(path), argv)
+        except (ValueError, FileNotFoundError) as e:
+            sys.exit(f"error: {e}")
