@@ -11,3 +11,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+# Many tests compile the same small train step: a persistent compilation cache for the
+# session (a fresh directory each run) loads it instead of compiling it again.
+import tempfile  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="trjax-test-xla-cache-"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -26,7 +26,7 @@ def reference():
     return _one_step()
 
 
-@pytest.mark.parametrize("policy", ["tail_minimal", "size:0.05", "per_leaf"])
+@pytest.mark.parametrize("policy", ["tail_minimal", "size:0.05"])  # per_leaf: test_regions_plan
 def test_bucket_policies_give_the_same_step(reference, policy):
     plan, step, new, m = _one_step(policy)
     assert max_rel(new.params, reference[2].params) <= 1e-6
@@ -39,7 +39,7 @@ def test_bucket_policies_give_the_same_step(reference, policy):
     assert sizes
 
 
-@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling"])
+@pytest.mark.parametrize("algorithm", ["ring"])  # every algorithm vs psum: test_allreduce
 def test_allreduce_algorithms_in_the_step_equal_psum(reference, algorithm):
     plan, step, new, m = _one_step(allreduce=algorithm)
     assert max_rel(new.params, reference[2].params) <= 1e-5
@@ -61,8 +61,8 @@ def test_compression_bf16_halves_requested_bytes_and_stays_close(reference):
     assert max_rel(new.params, reference[2].params) <= 1e-2
 
 
-def test_powersgd_state_is_carried():
-    plan, step, new, m = _one_step(compressor=compression.make_compressor("powersgd", rank=2))
+def test_compressor_state_is_carried():
+    plan, step, new, m = _one_step(compressor=compression.make_compressor("topk", ratio=0.05))
     err = new.comm_state["deep"]["error"]
     assert err.shape[0] == 8 and np.abs(err).max() > 0  # error feedback, one row per replica
     assert m[3] == 32

@@ -53,8 +53,10 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path, capsys):
     assert newest.exists()  # left in place for inspection
 
 
-def test_incompatible_checkpoint_is_a_clear_error(tmp_path):
+def test_incompatible_checkpoint_is_a_clear_error_before_compiling(tmp_path, monkeypatch):
     train_and_evaluate(small_config(num_epochs=1, halt_after_steps=2), str(tmp_path))
+    from trjax import steps
+    monkeypatch.setattr(steps, "compile_step", lambda *a, **k: pytest.fail("compiled"))
     with pytest.raises(ValueError, match=r"checkpoint .*2 is incompatible with this config: "
                                          r"model: checkpoint 'resnet8' vs config 'resnet20'"):
         train_and_evaluate(small_config(num_epochs=1, model="resnet20"), str(tmp_path))

@@ -62,6 +62,28 @@ def _abstract(state):
         flax.serialization.to_state_dict(state))
 
 
+def check_compatible(mngr: ocp.CheckpointManager, expect: dict, log=print) -> None:
+    """Raises ``ValueError`` if the newest readable checkpoint was written with
+    other ``expect`` values (called before anything is compiled)."""
+    for step in sorted(mngr.all_steps(), reverse=True):
+        path = os.path.join(str(mngr.directory), str(step))
+        try:
+            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception:
+            continue  # unreadable: restore_latest reports it and falls back
+        _check_meta(path, meta, expect)
+        return
+
+
+def _check_meta(path: str, meta: dict, expect: dict) -> None:
+    diff = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
+    if diff:
+        raise ValueError(f"checkpoint {path} is incompatible with this config: " +
+                         ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}"
+                                   for k, (a, b) in diff.items()) +
+                         "; use another workdir or the same settings")
+
+
 def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print):
     """Restores the newest readable checkpoint into ``target``'s shapes and shardings.
 
@@ -93,12 +115,7 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
             log(f"checkpoint {path} is unreadable ({type(e).__name__}); left in place, "
                 f"trying an older one")
             continue
-        diff = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
-        if diff:
-            raise ValueError(f"checkpoint {path} is incompatible with this config: " +
-                             ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}"
-                                       for k, (a, b) in diff.items()) +
-                             "; use another workdir or the same settings")
+        _check_meta(path, meta, expect)
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(_abstract(target))))["state"]

@@ -285,6 +285,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         ``config.halt_on_nonfinite``.
     """
     t_start = time.perf_counter()
+    validate_config(config)
+    ckpt = checkpoint.manager(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+    expect = {k: config[k] for k in checkpoint.COMPATIBLE_FIELDS}
+    if config.resume:  # an incompatible checkpoint is an error before anything compiles
+        checkpoint.check_compatible(ckpt, expect)
     tr = setup(config, data)
     world, data, plan, schedule, state = tr.world, tr.data, tr.plan, tr.schedule, tr.state
     train_step = tr.train_step
@@ -309,8 +314,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     distributed.check_agree({"initial params checksum": distributed.tree_checksum(state.params)})
 
     # -- checkpoints and resume ---------------------------------------------
-    ckpt = checkpoint.manager(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
-    expect = {k: config[k] for k in checkpoint.COMPATIBLE_FIELDS}
     start_epoch, start_batch = 1, 0
     if config.resume:
         restored = checkpoint.restore_latest(ckpt, state, expect, log=say)
