@@ -60,6 +60,11 @@ def comm_report(config) -> dict:
     grad_bytes = sum(plan.bucket_bytes(b) for b in plan.bucket_sizes)
     out["traffic_per_rank_bytes"] = {"gradients": comm.ring_traffic_bytes(grad_bytes, n),
                                      "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes}
+    from trjax import allreduce
+    out["cost_model"] = {
+        alg: [{"bucket": b, **allreduce.cost_model(alg, plan.bucket_bytes(b), n)}
+              for b in plan.bucket_sizes]
+        for alg in allreduce.ALGORITHMS}
     out["memory_plan"] = plan.describe()
     return out
 
@@ -82,6 +87,11 @@ def format_report(r: dict) -> str:
     lines.append(f"gradient all-reduces: {r['gradient_all_reduces']}; deep bucket before the "
                  f"first conv's weight gradient: {r['deep_before_first_conv_wgrad']} "
                  f"(wgrad at {r['first_conv_wgrad_positions']})")
+    lines.append("alpha-beta cost model per all-reduce algorithm (alpha 5 us, 25 GB/s):")
+    for alg, rows in r["cost_model"].items():
+        lines.append(f"  {alg:17s} " + "; ".join(
+            f"{x['bucket']}: {x['steps']} steps, {x['bytes_sent_per_rank']:.0f} B/rank, "
+            f"{x['time_s'] * 1e6:.1f} us" for x in rows))
     t = r["traffic_per_rank_bytes"]
     lines.append(f"ring model: {t['formula']} = {t['gradients']:.0f} B per rank per step "
                  f"(|g| = {t['g_bytes']} B)")
