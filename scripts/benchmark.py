@@ -11,7 +11,7 @@
   python scripts/benchmark.py --gpu --dry_run  # the same code path on CPU, tiny sizes
 
   # CPU profiling: XLA flags, device counts, host input, side by side
-  python scripts/benchmark.py --profile [--quick]
+  python scripts/benchmark.py --profile [--steps 3 --rounds 3]
 
 Variants, per world size N:
   trjax/two       config.buckets="two" (two contiguous gradient buckets)
@@ -63,6 +63,9 @@ sys.path.insert(0, os.path.join(REPO, "configs"))
 
 TORCH_SCRIPT = os.path.join(HERE, "torch_ddp_bench.py")
 H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense tensor-core peak per GPU
+YNN_OFF = "--xla_cpu_experimental_ynn_fusion_type="  # empty list: convolutions go to Eigen
+NO_EIGEN_MT = "--xla_cpu_multi_thread_eigen=false"
+YNN_PLUS = "--xla_cpu_experimental_ynn_fusion_type=+eltwise,+reduce"  # also elementwise/reductions
 
 
 # --------------------------------------------------------------------------
@@ -102,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="peak TFLOP/s per device for MFU (default: H100/H200 bf16 dense)")
     p.add_argument("--profile", action="store_true",
                    help="CPU profiling: XLA flags / device counts / host input side by side")
+    p.add_argument("--profile_groups", default=None,
+                   help="with --profile: comma-separated group numbers (1-based), default all")
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal (--profile)
     a = p.parse_args(argv)
     if a.dry_run and not a.gpu:
@@ -109,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a.device = "cuda" if a.gpu and not a.dry_run else "cpu"
     if a.gpu:
         defaults = dict(model="resnet50", image="224,224,3", precision="bf16", num_classes=1000,
-                        variants="two,torch", warmup=3, steps=10, rounds=3)
+                        variants="two,torch", warmup=3, steps=10, rounds=3, world_sizes="all")
         if a.dry_run:
             defaults.update(model="resnet18", image="32,32,3", num_classes=10, warmup=1, steps=2,
                             rounds=1, world_sizes="all")
@@ -451,7 +456,7 @@ def benchmark(a) -> dict:
                           f"per rank, {infos['torch/ddp'].get('backend')})", flush=True)
                 except RuntimeError as e:
                     print(f"  torch/ddp failed to start: {e}", flush=True)
-                    infos["torch/ddp"] = {"error": str(e)}
+                    meta.setdefault("errors", []).append(f"world {n} torch/ddp: {e}")
             times = interleave(variants, a.rounds, a.steps, a.warmup)
         finally:
             if torch_v is not None:
@@ -502,6 +507,13 @@ def ratios(results: list[dict], a) -> dict:
 # outputs
 # --------------------------------------------------------------------------
 
+def footprint(m: dict | None):
+    """argument + output - alias + temp bytes (None without memory statistics)."""
+    if not m:
+        return None
+    return m["argument"] + m["output"] - m["alias"] + m["temp"]
+
+
 def _mb(x):
     return f"{x / 2**20:.1f}" if x is not None else "-"
 
@@ -517,6 +529,8 @@ def markdown(out: dict) -> str:
              f"wall {m['wall_s']:.0f} s.", ""]
     if m.get("torch_skipped"):
         lines += [f"*{m['torch_skipped']}*", ""]
+    for e in m.get("errors", []):
+        lines += [f"*failed: {e[:300]}*", ""]
     mfu = any(r.get("mfu") is not None for r in rs)
     head = "| world | variant | images/s | s/step (median) | [p25, p75] | GFLOP/s |" + \
         (" MFU |" if mfu else "") + " train-step compile s |"
@@ -528,15 +542,16 @@ def markdown(out: dict) -> str:
                      f"{r['median_step_s']:.3f} | [{r['p25_step_s']:.3f}, {r['p75_step_s']:.3f}] | "
                      f"{gf} |")
         if mfu:
-            lines[-1] += f" {100 * r['mfu']:.1f}% |" if r.get("mfu") is not None else " - |"
+            lines[-1] += f" {100 * r['mfu']:.3g}% |" if r.get("mfu") is not None else " - |"
         lines[-1] += f" {i['compile_s']:.1f} |" if "compile_s" in i else \
             f" {i.get('warmup_s', 0):.1f} (torch warm-up) |"
     lines += ["", "GFLOP/s (and MFU) use the model flops of XLA's cost analysis of the trjax step "
               "(one device's program x N) for every variant.", ""]
-    lines += ["## Communication and memory (trjax, compiled train step)", "",
+    lines += ["## Communication and memory (trjax, compiled train step, per device)", "",
               "| world | variant | all-reduces (plan buckets) | payload MiB | ring traffic/rank MiB |"
-              " model 2(N-1)/N·\\|g\\| MiB | peak MiB donated | peak MiB not donated | temp MiB |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              " model 2(N-1)/N·\\|g\\| MiB | footprint MiB donated | footprint MiB not donated |"
+              " alias MiB | temp MiB donated / not |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rs:
         i = r["info"]
         if "comm" not in i:
@@ -545,12 +560,14 @@ def markdown(out: dict) -> str:
         lines.append(f"| {r['world_size']} | {r['variant']} | {c['all_reduces']} "
                      f"({c['plan_buckets']}) | {_mb(c['payload_bytes'])} | "
                      f"{_mb(c['ring_traffic_per_rank_bytes'])} | "
-                     f"{_mb(c['ring_model_per_rank_bytes'])} | {_mb(md.get('peak'))} | "
-                     f"{_mb(mn.get('peak')) if mn else '-'} | {_mb(md.get('temp'))} |")
+                     f"{_mb(c['ring_model_per_rank_bytes'])} | {_mb(footprint(md))} | "
+                     f"{_mb(footprint(mn)) if mn else '-'} | {_mb(md.get('alias'))} | "
+                     f"{_mb(md.get('temp'))} / {_mb(mn.get('temp')) if mn else '-'} |")
     lines += ["", "Payload: bytes of all all-reduce operands in the compiled HLO (gradients, "
               "metric sums and BN running statistics); |g| = the plan's gradient bytes. "
-              "XLA's all-reduce combiner may merge per-leaf all-reduces. Memory peak = "
-              "argument + output - alias + temp (XLA's memory analysis).", ""]
+              "XLA's all-reduce combiner may merge per-leaf all-reduces. Footprint = argument + "
+              "output - alias + temp of XLA's memory analysis (on XLA:CPU its own 'peak' field "
+              "leaves out temp). Not donated: the same step compiled without donate_argnums.", ""]
     if out["ratios"]:
         lines += ["## Ratios (images/s)", ""]
         lines += [f"- {k}: **{v:.3f}**" for k, v in out["ratios"].items()]
@@ -591,6 +608,10 @@ def write_outputs(out: dict, a) -> None:
         f.write(md)
     plot(out, os.path.join(a.out, "benchmark.png"))
     print(md)
+    for r in out["results"]:
+        mfu = f", MFU {100 * r['mfu']:.3g}% of {a.peak_tflops:g} TFLOP/s per device" \
+            if r.get("mfu") is not None else ""
+        print(f"world {r['world_size']} {r['variant']}: {r['images_per_s']:.1f} images/s{mfu}")
     for k, v in out["ratios"].items():
         print(f"{k}: {v:.3f}")
     print(f"wrote {os.path.join(a.out, 'benchmark.json')}, benchmark.md, benchmark.png")
@@ -600,33 +621,57 @@ def write_outputs(out: dict, a) -> None:
 # profiling (CPU): each idea in its own process, timed side by side
 # --------------------------------------------------------------------------
 
-PROFILE_VARIANTS = [
-    # name, world, cpu_devices, extra XLA_FLAGS, host_input
-    ("w8 baseline", 8, 8, "", False),
-    ("w8 no multi-thread eigen", 8, 8, "--xla_cpu_multi_thread_eigen=false", False),
-    ("w8 YNN off (Eigen conv)", 8, 8, "--xla_cpu_experimental_ynn_fusion_type=", False),
-    ("w8 YNN +dot,+eltwise,+reduce", 8, 8,
-     "--xla_cpu_experimental_ynn_fusion_type=+dot,+eltwise,+reduce", False),
-    ("w8 oneDNN", 8, 8, "--xla_cpu_use_onednn=true "
-     "--xla_cpu_experimental_onednn_custom_call=true", False),
-    ("w8 host input in step", 8, 8, "", True),
-    ("w2 of 8 devices", 2, 8, "", False),
-    ("w2 of 2 devices", 2, 2, "", False),
-    ("w2 no multi-thread eigen", 2, 8, "--xla_cpu_multi_thread_eigen=false", False),
-    ("w1", 1, 8, "", False),
-]
-PROFILE_QUICK = ("w8 baseline", "w8 no multi-thread eigen", "w8 YNN off (Eigen conv)",
-                 "w8 host input in step", "w2 of 8 devices", "w2 of 2 devices", "w1")
+PROFILE_GROUPS = {
+    # group: (reference variant, [(name, world, simulated devices, extra XLA_FLAGS,
+    #                              host_input, buckets, precision)], torch world sizes)
+    # Groups run one after another (a world-8 child holds ~1.6 GB); inside a group the
+    # variants are timed in interleaved rounds and compared with the group's reference.
+    "threads and devices": ("w8", [
+        ("w8", 8, 8, "", False, "two", "fp32"),
+        ("w8 no multi-thread eigen", 8, 8, NO_EIGEN_MT, False, "two", "fp32"),
+        ("w2 of 8 devices", 2, 8, "", False, "two", "fp32"),
+        ("w2 of 2 devices", 2, 2, "", False, "two", "fp32"),
+        ("w2 no multi-thread eigen", 2, 8, NO_EIGEN_MT, False, "two", "fp32"),
+    ], (2,)),
+    "kernels (world 1)": ("w1", [
+        ("w1", 1, 8, "", False, "two", "fp32"),
+        ("w1 YNN off (Eigen conv)", 1, 8, YNN_OFF, False, "two", "fp32"),
+        ("w1 YNN +eltwise,+reduce", 1, 8, YNN_PLUS, False, "two", "fp32"),
+        ("w1 bf16", 1, 8, "", False, "two", "bf16"),
+    ], (1,)),
+    "step structure (world 8)": ("w8", [
+        ("w8", 8, 8, "", False, "two", "fp32"),
+        ("w8 per_leaf", 8, 8, "", False, "per_leaf", "fp32"),
+        ("w8 host input in step", 8, 8, "", True, "two", "fp32"),
+        ("w8 YNN off (Eigen conv)", 8, 8, YNN_OFF, False, "two", "fp32"),
+    ], ()),
+    "combinations": ("w2 of 2 devices", [
+        ("w2 of 2 devices", 2, 2, "", False, "two", "fp32"),
+        ("w2 of 2 devices YNN +eltwise,+reduce", 2, 2, YNN_PLUS, False, "two", "fp32"),
+        ("w2 of 2 devices YNN off (Eigen conv)", 2, 2, YNN_OFF, False, "two", "fp32"),
+        ("w8 YNN +eltwise,+reduce", 8, 8, YNN_PLUS, False, "two", "fp32"),
+    ], (2,)),
+}
 
 
 def serve(a) -> int:
     """Child of ``--profile``: one trjax variant answering ``run K`` on stdin."""
     spec = json.loads(a.serve)
     data = random_dataset(2 * a.global_batch, a.image, a.num_classes)
-    v = JaxVariant(spec["name"], make_config(a, spec["world"], "two"), data,
+    v = JaxVariant(spec["name"], make_config(a, spec["world"], spec["buckets"]), data,
                    memory_compare=False, host_input=spec["host_input"])
     v.run(max(a.warmup, 1))
     info = {k: v.info[k] for k in ("compile_s", "flops_per_step", "world_size")}
+    # host overheads: the CompiledStep's argument check, and a host batch -> device
+    b = v.device_batches[0]
+    t0 = time.perf_counter()
+    for _ in range(20):
+        v.tr.train_step.check(v.state, b)
+    info["check_ms"] = (time.perf_counter() - t0) / 20 * 1e3
+    t0 = time.perf_counter()
+    for _ in range(5):
+        v._jax.block_until_ready(v._to_device(v.host_batches[0]))
+    info["to_device_ms"] = (time.perf_counter() - t0) / 5 * 1e3
     print(json.dumps({"ready": True, **info, "xla_flags": os.environ.get("XLA_FLAGS", "")}),
           flush=True)
     for line in sys.stdin:
@@ -637,71 +682,91 @@ def serve(a) -> int:
     return 0
 
 
-def profile(a) -> dict:
-    os.makedirs(a.out, exist_ok=True)
-    specs = [s for s in PROFILE_VARIANTS if not a.quick or s[0] in PROFILE_QUICK]
+def _profile_group(a, group: str, ref: str, specs, torch_worlds) -> list[dict]:
     variants, infos = {}, {}
-    base_flags = a.xla_flags
-    for name, world, ndev, flags, host_input in specs:
+    for name, world, ndev, flags, host_input, buckets, precision in specs:
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)
+        xla = " ".join(f for f in (a.xla_flags, flags) if f)
         cmd = [sys.executable, os.path.abspath(__file__), "--model", a.model,
                "--image", ",".join(map(str, a.image)), "--global_batch", str(a.global_batch),
-               "--num_classes", str(a.num_classes), "--precision", a.precision,
-               "--cpu_devices", str(ndev), "--warmup", str(a.warmup),
-               "--xla_flags", " ".join(f for f in (base_flags, flags) if f),
-               "--serve", json.dumps({"name": name, "world": world, "host_input": host_input})]
-        slug = "".join(ch if ch.isalnum() else "_" for ch in name)
+               "--num_classes", str(a.num_classes), "--precision", precision,
+               "--cpu_devices", str(ndev), "--warmup", str(a.warmup), f"--xla_flags={xla}",
+               "--serve", json.dumps({"name": name, "world": world, "host_input": host_input,
+                                      "buckets": buckets})]
+        slug = "".join(ch if ch.isalnum() else "_" for ch in f"{group} {name}")
         v = ServerVariant(name, cmd, env=env, log_path=os.path.join(a.out, f"profile_{slug}.log"))
         try:  # one at a time: compile times stay comparable
             infos[name] = {**v.wait_ready(), "xla_flags_extra": flags, "host_input": host_input,
-                           "cpu_devices": ndev}
+                           "cpu_devices": ndev, "buckets": buckets, "precision": precision}
             variants[name] = v
-            print(f"  {name}: ready, compile {infos[name]['compile_s']:.1f} s", flush=True)
+            print(f"  [{group}] {name}: ready, compile {infos[name]['compile_s']:.1f} s", flush=True)
         except RuntimeError as e:
-            print(f"  {name}: failed: {e}", flush=True)
+            print(f"  [{group}] {name}: failed: {e}", flush=True)
             infos[name] = {"error": str(e)}
             v.close()
     if "torch" in a.variants and torch_available():
-        for n in (2, 8):
+        for n in torch_worlds:
+            name = f"torch DDP w{n}"
             v = torch_server(a, n, os.path.join(a.out, f"profile_torch_w{n}.log"))
             try:
-                infos[f"torch w{n}"] = v.wait_ready()
-                variants[f"torch w{n}"] = v
+                infos[name] = v.wait_ready()
+                variants[name] = v
             except RuntimeError as e:
-                infos[f"torch w{n}"] = {"error": str(e)}
+                infos[name] = {"error": str(e)}
                 v.close()
     try:
         times = interleave(variants, a.rounds, a.steps, 0)
     finally:
         for v in variants.values():
             v.close()
-    base = statistics.median(times["w8 baseline"]) if times.get("w8 baseline") else None
+    base = statistics.median(times[ref]) if times.get(ref) else None
     rows = []
-    for name in variants:
+    for name in infos:
+        if name not in variants:
+            rows.append({"group": group, "variant": name, "info": infos[name]})
+            continue
         s = summarize(times[name], a.global_batch)
-        s["speedup_vs_w8_baseline"] = base / s["median_step_s"] if base else None
-        rows.append({"variant": name, **s, "info": infos[name]})
+        s["speedup_vs_ref"] = base / s["median_step_s"] if base else None
+        rows.append({"group": group, "variant": name, "reference": ref, **s, "info": infos[name]})
+    return rows
+
+
+def profile(a) -> dict:
+    """Each idea in its own process (XLA_FLAGS are read once, at start), timed
+    side by side with its group's reference; writes profile.json / profile.md."""
+    os.makedirs(a.out, exist_ok=True)
+    rows = []
+    pick = [int(g) for g in a.profile_groups.split(",")] if a.profile_groups else None
+    for k, (group, (ref, specs, torch_worlds)) in enumerate(PROFILE_GROUPS.items(), start=1):
+        if pick and k not in pick:
+            continue
+        print(f"profile group: {group}", flush=True)
+        rows += _profile_group(a, group, ref, specs, torch_worlds)
     out = {"meta": {"model": a.model, "image": list(a.image), "global_batch": a.global_batch,
                     "rounds": a.rounds, "steps_per_round": a.steps, "cpu_cores": os.cpu_count(),
-                    "loadavg_end": os.getloadavg()},
-           "results": rows, "failed": {k: v for k, v in infos.items() if "error" in v}}
-    with open(os.path.join(a.out, "profile.json"), "w") as f:
+                    "loadavg_end": os.getloadavg()}, "results": rows}
+    suffix = "_groups" + a.profile_groups.replace(",", "_") if pick else ""
+    with open(os.path.join(a.out, f"profile{suffix}.json"), "w") as f:
         json.dump(out, f, indent=2, default=float)
-    lines = [f"# CPU profile: {a.model}, batch {a.global_batch}, {a.rounds} rounds x {a.steps} "
-             f"steps, interleaved", "",
-             "| variant | extra XLA_FLAGS | s/step (median) | [p25, p75] | images/s | "
-             "vs w8 baseline | compile s |", "|---|---|---|---|---|---|---|"]
+    lines = [f"# CPU profile: {a.model}, batch {a.global_batch}, {a.rounds} interleaved rounds x "
+             f"{a.steps} steps per variant, within each group", "",
+             "| group | variant | extra XLA_FLAGS | s/step (median) | [p25, p75] | images/s | "
+             "vs group ref | compile s | host check ms | to_device ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for r in rows:
         i = r["info"]
-        lines.append(f"| {r['variant']} | `{i.get('xla_flags_extra', '') or '-'}` | "
+        if "error" in i:
+            lines.append(f"| {r['group']} | {r['variant']} | failed: {i['error'][:200]} |")
+            continue
+        lines.append(f"| {r['group']} | {r['variant']} | `{i.get('xla_flags_extra', '') or '-'}` | "
                      f"{r['median_step_s']:.3f} | [{r['p25_step_s']:.3f}, {r['p75_step_s']:.3f}] "
-                     f"| {r['images_per_s']:.1f} | {r['speedup_vs_w8_baseline']:.2f}x | "
-                     f"{i.get('compile_s', i.get('warmup_s', 0)):.1f} |")
-    for k, v in out["failed"].items():
-        lines.append(f"\nfailed: {k}: {v['error'][:300]}")
+                     f"| {r['images_per_s']:.1f} | {r['speedup_vs_ref'] or nan:.2f}x "
+                     f"(ref {r['reference']}) | {i.get('compile_s', i.get('warmup_s', 0)):.1f} | "
+                     f"{i.get('check_ms', nan):.2f} | {i.get('to_device_ms', nan):.1f} |")
     md = "\n".join(lines) + "\n"
-    with open(os.path.join(a.out, "profile.md"), "w") as f:
+    with open(os.path.join(a.out, f"profile{suffix}.md"), "w") as f:
         f.write(md)
     print(md)
     return out
@@ -715,6 +780,9 @@ def main(argv=None) -> int:
     import jax
     if a.device == "cpu":
         jax.config.update("jax_num_cpu_devices", int(a.cpu_devices))
+    elif jax.devices()[0].platform != "gpu":
+        raise SystemExit(f"--gpu: no GPU visible to jax (platform {jax.devices()[0].platform}); "
+                         "install jax[cuda12] or use --gpu --dry_run")
     if a.serve:
         return serve(a)
     if a.profile:

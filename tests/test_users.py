@@ -57,7 +57,7 @@ def test_cifar_format_run_plot_and_quiet_mode(tmp_path):
     ("--config.num_epochs=ten", "--config.num_epochs='ten': expected an int"),
     ("--config.halt_on_nonfinite=maybe", "expected a bool"),
     ("--config.distributed.num_proceses=2", "did you mean distributed.num_processes"),
-    ("--config.dataset=cifar10", "dataset 'cifar10' reads files: set config.data_dir"),
+    ("--config.dataset=cifar10", "dataset 'cifar10' reads files: set --config.data_dir=FOLDER"),
 ])
 def test_config_errors_are_clear(tmp_path, override, needle):
     out = _run("scripts/train.py", "--config", "configs/default.py", "--workdir", str(tmp_path),
@@ -65,6 +65,7 @@ def test_config_errors_are_clear(tmp_path, override, needle):
     assert out.returncode != 0
     assert needle in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
+    assert not (tmp_path / "checkpoints").exists()  # a run refused leaves nothing behind
 
 
 def test_plot_without_metrics_is_a_clear_error(tmp_path):

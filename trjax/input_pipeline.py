@@ -80,7 +80,8 @@ def load_dataset(name: str, data_dir: str = "", image_size: int = 224) -> Datase
     if name == "digits":
         return load_digits()
     if not data_dir:
-        raise ValueError(f"dataset {name!r} reads files: set config.data_dir to its folder")
+        raise ValueError(f"dataset {name!r} reads files: set --config.data_dir=FOLDER "
+                         "(for a tiny CIFAR-10 in the real format: scripts/make_tiny_cifar.py DIR)")
     from trjax import datasets
     if name == "imagefolder":
         train = datasets.ImageFolder(data_dir, "train")

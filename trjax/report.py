@@ -72,14 +72,17 @@ def comm_report(config) -> dict:
 def format_report(r: dict) -> str:
     """A human-readable table of :func:`comm_report`'s result."""
     lines = [f"world_size={r['world_size']} model={r['model']} bn_mode={r['bn_mode']} "
-             f"buckets={r['policy']} allreduce={r['allreduce']} compression={r['compression']}"]
+             f"buckets={r['policy']} allreduce={r['allreduce']} compression={r['compression']}",
+             "(#N = position in the compiled schedule; 'requested' = as the program asked, "
+             "before XLA's passes)"]
     for b, v in r["buckets"].items():
         lines.append(f"  bucket {b:6s} {v['elements']:>10d} elements {v['bytes']:>11d} B  "
                      f"ring traffic/rank {v['ring_traffic_per_rank_bytes']:.0f} B")
     for name in ("train_step", "fold_bn", "eval_step", "eval_reduce"):
         q = r[name]["requested"]
+        dtypes = f", {'/'.join(q['dtypes'])}" if q["dtypes"] else ""
         lines.append(f"{name}: {r[name]['count']} collective(s), {r[name]['compiled_bytes']} B "
-                     f"compiled; requested {q['count']} ({q['bytes']} B, {'/'.join(q['dtypes'])})")
+                     f"compiled; requested {q['count']} ({q['bytes']} B{dtypes})")
         for c in r[name]["collectives"]:
             where = "" if c["computation"] == "ENTRY" else f" (in {c['computation']}, per iteration)"
             lines.append(f"  #{c['position']:<5d} {c['kind']:12s} {c['elements']:>10d} el "
@@ -89,7 +92,8 @@ def format_report(r: dict) -> str:
                  f"(wgrad at {r['first_conv_wgrad_positions']})")
     lines.append("alpha-beta cost model per all-reduce algorithm (alpha 5 us, 25 GB/s):")
     for alg, rows in r["cost_model"].items():
-        lines.append(f"  {alg:17s} " + "; ".join(
+        name = "xla (as ring)" if alg == "xla" else alg
+        lines.append(f"  {name:17s} " + "; ".join(
             f"{x['bucket']}: {x['steps']} steps, {x['bytes_sent_per_rank']:.0f} B/rank, "
             f"{x['time_s'] * 1e6:.1f} us" for x in rows))
     t = r["traffic_per_rank_bytes"]

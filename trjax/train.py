@@ -286,11 +286,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     """
     t_start = time.perf_counter()
     validate_config(config)
-    ckpt = checkpoint.manager(os.path.join(workdir, "checkpoints"), config.keep_checkpoints)
+    ckpt_dir = os.path.join(workdir, "checkpoints")
     expect = {k: config[k] for k in checkpoint.COMPATIBLE_FIELDS}
-    if config.resume:  # an incompatible checkpoint is an error before anything compiles
-        checkpoint.check_compatible(ckpt, expect)
+    if config.resume and os.path.isdir(ckpt_dir):  # incompatible: an error before compiling
+        checkpoint.check_compatible(checkpoint.manager(ckpt_dir, config.keep_checkpoints), expect)
     tr = setup(config, data)
+    ckpt = checkpoint.manager(ckpt_dir, config.keep_checkpoints)  # only once the setup is valid
     world, data, plan, schedule, state = tr.world, tr.data, tr.plan, tr.schedule, tr.state
     train_step = tr.train_step
     steps_per_epoch = tr.steps_per_epoch
