@@ -235,7 +235,7 @@ class JaxVariant:
         if memory_compare:
             # the same step function compiled again without donate_argnums (mirrors setup())
             c = config
-            tx = optim.make_optimizer(c.optimizer, tr.schedule, None, tr.plan,
+            tx = optim.make_optimizer(c.optimizer, tr.schedule, tr.plan,
                                       momentum=c.momentum, weight_decay=c.weight_decay,
                                       nesterov=c.nesterov, trust_coefficient=c.trust_coefficient)
             fn = steps.make_train_step(tr.model, tx, tr.plan, tr.world, c.bn_mode,

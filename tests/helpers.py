@@ -14,7 +14,7 @@ def setup(world_spec="all", global_batch=32, bn_mode="sync", lr=0.1, opt="sgd", 
     world = make_world(world_spec, global_batch)
     model = models.create_model(model_name, num_classes=10, bn_mode=bn_mode, axis_name="data")
     plan = steps.build_plan(model, IMAGE_SHAPE)
-    tx = optim.make_optimizer(opt, lr, None, plan, weight_decay=1e-3)
+    tx = optim.make_optimizer(opt, lr, plan, weight_decay=1e-3)
     state = steps.create_train_state(jax.random.key(0), model, tx, world, IMAGE_SHAPE, bn_mode)
     return world, model, plan, tx, state
 

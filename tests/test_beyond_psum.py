@@ -94,7 +94,7 @@ def test_zero1_equals_replicated_optimizer_and_shards_its_state():
     results = {}
     for zero1 in (False, True):
         tx = optax.sgd(lr, momentum=0.9) if zero1 else optim.make_optimizer(
-            "sgd", lr, None, plan, weight_decay=wd, momentum=0.9)
+            "sgd", lr, plan, weight_decay=wd, momentum=0.9)
         st = steps.create_train_state(jax.random.key(0), model, tx, world, (8, 8, 1), "running",
                                       plan=plan, zero1=zero1)
         step = steps.compile_step("train", steps.make_train_step(

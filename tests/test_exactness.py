@@ -88,7 +88,7 @@ def test_halt_on_nonfinite_stops_with_a_clear_error(tmp_path):
 def test_lars_bn_scale_stays_one_and_kernel_gets_trust_ratio_update():
     world, model, plan, _, state = setup("1", 4, "sync")
     lr, wd, tc = 0.1, 1e-3, 0.001
-    tx = optim.make_optimizer("lars", lr, None, plan, weight_decay=wd, trust_coefficient=tc,
+    tx = optim.make_optimizer("lars", lr, plan, weight_decay=wd, trust_coefficient=tc,
                               momentum=0.9)
     params = to_host(state.params)
     rng = np.random.default_rng(0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
+import jax
 import optax
 
 from trjax.regions import Region
@@ -35,22 +36,27 @@ def learning_rate_schedule(learning_rate: float, warmup_steps: int, total_steps:
         decay_steps=max(total_steps, warmup_steps + 1), end_value=0.0)
 
 
-def kernel_mask(params, plan) -> object:
-    """Pytree of bools shaped like params: True for conv/dense kernels."""
-    import jax
+def kernel_mask(plan) -> object:
+    """Pytree of bools shaped like the params of ``plan``: True for conv/dense kernels."""
     flags = [s.region in KERNEL_REGIONS for s in plan.slots]
     return jax.tree_util.tree_unflatten(plan.params_treedef, flags)
 
 
-def make_optimizer(name: str, schedule, params, plan, *, momentum: float = 0.9,
+def make_optimizer(name: str, schedule, plan, *, momentum: float = 0.9,
                    weight_decay: float = 5e-4, nesterov: bool = False,
                    trust_coefficient: float = 0.001) -> optax.GradientTransformation:
-    """Builds the optimizer ``name`` (one of ``OPTIMIZERS``).
+    """Builds the optimizer ``name`` (one of ``OPTIMIZERS``) for the params of ``plan``.
+
+    Args:
+      name: ``sgd`` or ``lars``.
+      schedule: learning rate, a float or ``step -> float``.
+      plan: the :class:`trjax.plan.MemoryPlan` (its regions say which leaves
+        are kernels: weight decay and the LARS trust ratio apply to them only).
 
     Raises:
       ValueError: unknown optimizer name.
     """
-    mask = kernel_mask(params, plan)
+    mask = kernel_mask(plan)
     if name == "sgd":
         return optax.chain(optax.add_decayed_weights(weight_decay, mask=mask),
                            optax.sgd(schedule, momentum=momentum, nesterov=nesterov))

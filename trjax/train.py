@@ -162,7 +162,7 @@ def setup(config: ml_collections.ConfigDict,
         import optax  # elementwise momentum SGD on flat shards; decay applied by the step
         tx = optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov)
     else:
-        tx = optim.make_optimizer(config.optimizer, schedule, None, plan, momentum=config.momentum,
+        tx = optim.make_optimizer(config.optimizer, schedule, plan, momentum=config.momentum,
                                   weight_decay=config.weight_decay, nesterov=config.nesterov,
                                   trust_coefficient=config.trust_coefficient)
     state = steps.create_train_state(jax.random.key(config.seed), model, tx, world,
