@@ -32,6 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.compression = "none"         # "none", "bf16", "fp16", "powersgd", "topk"
     c.powersgd_rank = 2
     c.compression_start_step = 0   # all-reduce uncompressed before this step (PowerSGD warm-up)
+    c.compression_min_fraction = 0.05  # buckets with a smaller share of |g| are sent exactly
     c.topk_ratio = 0.01
     c.accumulation_steps = 1       # micro-batches per optimizer step (one all-reduce per step)
     c.shard_optimizer_state = False  # ZeRO-1: reduce-scatter, 1/N optimizer state, all-gather

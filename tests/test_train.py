@@ -105,3 +105,12 @@ def test_bad_config_fails_before_compiling(field, value, needle, monkeypatch):
         setup(small_config(**{field: value}))
     assert needle in str(e.value)
     assert not called
+
+
+def test_small_buckets_are_sent_exactly_under_compression():
+    from trjax import comm
+    tr = setup(small_config(compression="bf16"))
+    ops = [o for c in comm.requested_collectives(tr.train_step.lowered_text) for o in c["operands"]]
+    deep, first = tr.plan.bucket_sizes["deep"], tr.plan.bucket_sizes["first"]
+    assert {"dtype": "bf16", "elements": deep - 4, "bytes": 2 * (deep - 4)} in ops
+    assert {"dtype": "f32", "elements": first, "bytes": 4 * first} in ops  # 1.9% of |g|: exact

@@ -141,13 +141,19 @@ def setup(config: ml_collections.ConfigDict,
                                 dtype=dtype)
     plan = steps.build_plan(model, data.image_shape, config.buckets)
     compressor = None
-    if config.compression == "powersgd":  # one matrix per layer, vectors exact (the paper's)
-        compressor = {b: compression.powersgd_layers(config.powersgd_rank,
-                                                     steps.layer_matrices(plan, b))
-                      for b in plan.bucket_sizes}
-    elif config.compression != "none":
-        options = {"topk": {"ratio": config.topk_ratio}}.get(config.compression, {})
-        compressor = compression.make_compressor(config.compression, **options)
+    if config.compression != "none":
+        # Buckets below compression_min_fraction of the gradient bytes are all-reduced
+        # exactly: compressing them saves little, and under the `two` policy the small
+        # bucket holds the layers most sensitive to it (BN, FC, first conv).
+        def bucket_compressor(b):
+            if plan.bucket_bytes(b) < config.compression_min_fraction * plan.gradient_bytes:
+                return compression.none()
+            if config.compression == "powersgd":  # one matrix per layer, vectors exact
+                return compression.powersgd_layers(config.powersgd_rank,
+                                                   steps.layer_matrices(plan, b))
+            options = {"topk": {"ratio": config.topk_ratio}}.get(config.compression, {})
+            return compression.make_compressor(config.compression, **options)
+        compressor = {b: bucket_compressor(b) for b in plan.bucket_sizes}
     train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
                                                  config.train_remainder)
     total_steps = train_steps * config.num_epochs
