@@ -1,8 +1,16 @@
 """trjax: data-parallel training of ResNet-style CNNs in JAX.
 
-Modules, in the order data flows: ``world`` (devices, mesh, batch split) ->
-``models`` / ``batchnorm`` -> ``regions`` -> ``plan`` (MemoryPlan) ->
-``collectives`` -> ``steps`` (compiled train/eval steps) -> ``train`` (loop).
+Modules, in the order data flows:
+
+* ``world`` -- devices, mesh, batch split; ``distributed`` -- several processes.
+* ``input_pipeline`` (digits, batches, masks, the host->device boundary),
+  ``datasets`` (CIFAR, MNIST, ImageFolder, augmentation, prefetch).
+* ``models`` / ``batchnorm`` -- ResNets with sync/running/local BatchNorm.
+* ``regions`` -> ``plan`` (the MemoryPlan and bucket policies).
+* ``collectives`` (buckets, BN statistics, broadcast), ``allreduce`` (ring,
+  halving-doubling, tree, hierarchical), ``compression``.
+* ``optim``, ``precision`` -> ``steps`` (compiled train/eval steps) -> ``train``
+  (the loop), ``checkpoint``; ``comm`` / ``report`` read the compiled HLO.
 """
 
 __version__ = "0.1.0"
