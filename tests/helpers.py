@@ -1,6 +1,5 @@
 """Shared test fixtures: a small model, a world and a random batch."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 

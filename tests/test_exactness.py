@@ -1,6 +1,4 @@
 """Same numbers whatever the device count; non-finite steps skipped; LARS; donation."""
-import dataclasses
-
 import jax
 import numpy as np
 import optax

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import optax
 
-from helpers import max_rel, random_batch, setup, to_host
+from helpers import random_batch, setup, to_host
 from trjax import comm, models, steps
 
 

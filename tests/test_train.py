@@ -9,7 +9,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
 import default as default_config  # noqa: E402
 
-from trjax import input_pipeline, steps  # noqa: E402
+from trjax import steps  # noqa: E402
 from trjax.train import evaluate_pass, setup, train_and_evaluate  # noqa: E402
 
 

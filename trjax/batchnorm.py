@@ -25,7 +25,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 from jax import lax
 

@@ -22,7 +22,6 @@ is an error (no silent fallback: resuming it would be wrong).
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import flax
 import jax
@@ -106,29 +105,28 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
     if not all_steps:
         return None
     errors = []
+
+    def unreadable(path, e):  # report it, keep its files, try the next older one
+        errors.append(f"{path}: {type(e).__name__}: {str(e)[:300]}")
+        log(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
+            "left in place, trying an older one")
+
     for step in all_steps:
         path = os.path.join(str(mngr.directory), str(step))
         try:
             meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        except Exception as e:  # unreadable: report, keep the files, try the older one
-            errors.append(f"{path}: {type(e).__name__}: {str(e)[:300]}")
-            log(f"checkpoint {path} is unreadable ({type(e).__name__}); left in place, "
-                f"trying an older one")
+        except Exception as e:
+            unreadable(path, e)
             continue
         _check_meta(path, meta, expect)
         try:
             restored = mngr.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(_abstract(target))))["state"]
-        except ValueError as e:
-            if "shape" in str(e).lower() or "mismatch" in str(e).lower():
-                raise ValueError(f"checkpoint {path} does not fit this model/world: {e}") from e
-            errors.append(f"{path}: {type(e).__name__}: {str(e)[:300]}")
-            log(f"checkpoint {path} is unreadable ({e}); left in place, trying an older one")
-            continue
         except Exception as e:
-            errors.append(f"{path}: {type(e).__name__}: {str(e)[:300]}")
-            log(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
-                f"left in place, trying an older one")
+            if isinstance(e, ValueError) and ("shape" in str(e).lower() or
+                                              "mismatch" in str(e).lower()):
+                raise ValueError(f"checkpoint {path} does not fit this model/world: {e}") from e
+            unreadable(path, e)
             continue
         return flax.serialization.from_state_dict(target, restored), meta
     raise RuntimeError("no readable checkpoint in " + str(mngr.directory) + ":\n  " +

@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 import re
 
-import numpy as np
 
 COLLECTIVE_OPS = ("all-reduce", "all-reduce-start", "reduce-scatter", "all-gather",
                   "all-gather-start", "collective-permute", "collective-permute-start",

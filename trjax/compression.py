@@ -214,7 +214,7 @@ def powersgd_layers(rank: int = 2, matrices=(), seed: int = 0) -> Compressor:
         for ql in q_locals:
             qs.append(second[pos:pos + ql.size].reshape(ql.shape))
             pos += ql.size
-        reduced, mine, vi, mi, vpos = [], [], 0, 0, 0
+        reduced, mine, mi, vpos = [], [], 0, 0
         for seg in segs:
             if seg[0] == "vec":
                 reduced.append(exact[vpos:vpos + seg[2]])

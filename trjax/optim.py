@@ -17,8 +17,6 @@ The schedule is linear warmup from 0 to ``learning_rate`` then cosine decay to
 
 from __future__ import annotations
 
-from typing import Mapping
-
 import jax
 import optax
 

@@ -14,11 +14,9 @@ names are hard-coded.
 from __future__ import annotations
 
 import enum
-from typing import Any
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
 from trjax.batchnorm import BatchNorm
 

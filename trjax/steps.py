@@ -26,7 +26,6 @@ sharding differ from the compiled ones instead of recompiling.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Callable
 
@@ -105,6 +104,11 @@ def batch_metrics(logits, labels, mask):
 # initialisation
 # --------------------------------------------------------------------------
 
+def compressors_per_bucket(compressor, plan: MemoryPlan) -> dict:
+    """``{bucket: Compressor}`` from one compressor for all buckets, or a dict."""
+    return compressor if isinstance(compressor, dict) else {b: compressor for b in plan.bucket_sizes}
+
+
 def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTransformation,
                        world: World, image_shape: tuple, bn_mode: str,
                        loss_scale: float = 1.0, plan: MemoryPlan | None = None,
@@ -160,8 +164,7 @@ def create_train_state(rng: jax.Array, model: nn.Module, tx: optax.GradientTrans
     scalar = lambda v, dt: world.put(np.asarray(v, dt))
     comm_state = {}
     if compressor is not None:
-        per_bucket = compressor if isinstance(compressor, dict) else \
-            {b: compressor for b in plan.bucket_sizes}
+        per_bucket = compressors_per_bucket(compressor, plan)
         comm_state = {b: jax.tree_util.tree_map(
             lambda x: world.put(np.broadcast_to(np.asarray(x), (n,) + x.shape), world.sharded()),
             per_bucket[b].init(jax.ShapeDtypeStruct(
@@ -368,8 +371,7 @@ def make_train_step(model: nn.Module, tx: optax.GradientTransformation, plan: Me
     reduce_fn = None if allreduce == "xla" else allreduce_lib.ALGORITHMS[allreduce]
     mbucket, moff = plan.metrics_slot
 
-    per_bucket = compressor if isinstance(compressor, dict) else \
-        {b: compressor for b in plan.bucket_sizes}
+    per_bucket = compressors_per_bucket(compressor, plan)
 
     def compressed_allreduce(buffers, comm_state, step):
         reduced, new_comm, previous = {}, {}, None

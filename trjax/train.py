@@ -17,7 +17,6 @@ import collections
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
