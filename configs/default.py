@@ -28,6 +28,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.bn_momentum = 0.9
     # communication
     c.buckets = "two"              # "two" (seed), "tail_minimal", "size:<MB>", "per_leaf"
+    c.bucket_kernel_order = "auto"  # conv grads in the buckets: "HWIO", "IHWO"; auto: IHWO on CPU
     c.allreduce = "xla"            # "xla" (psum -> NCCL), "ring", "halving_doubling", "tree"
     c.compression = "none"         # "none", "bf16", "fp16", "powersgd", "topk"
     c.powersgd_rank = 2

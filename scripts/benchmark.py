@@ -1,7 +1,8 @@
 """Training throughput of trjax against its per-leaf baseline and PyTorch DDP.
 
   # CPU (default): resnet18_cifar, 32x32x3 random images, global batch 64,
-  # world sizes 1, 2, 4, 8 of 8 simulated CPU devices
+  # world sizes 1, 2, 4, 8, each in its own process with exactly N simulated CPU
+  # devices (--cpu_devices 8: all world sizes in one process of 8 devices)
   python scripts/benchmark.py [--out runs/benchmark] [--world_sizes 1,2,4,8]
   python scripts/benchmark.py --quick          # world sizes 1,2,8, fewer steps (< 10 min, 2 cores)
 
@@ -89,7 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="untimed steps per variant")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant and round")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds")
-    p.add_argument("--cpu_devices", type=int, default=8, help="simulated CPU devices")
+    p.add_argument("--cpu_devices", type=int, default=0,
+                   help="simulated CPU devices; 0 (default): each world size N runs in its own "
+                        "process with exactly N devices")
     p.add_argument("--torch_threads", type=int, default=0,
                    help="threads per torch rank; 0: max(1, cores // N)")
     p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baseline")
@@ -118,7 +121,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         if a.dry_run:
             defaults.update(model="resnet18", image="32,32,3", num_classes=10, warmup=1, steps=2,
                             rounds=1, world_sizes="all")
-            a.cpu_devices = 2 if a.cpu_devices == 8 else a.cpu_devices
+            a.cpu_devices = a.cpu_devices or 2
     else:
         defaults = dict(model="resnet18_cifar", image="32,32,3", precision="fp32",
                         num_classes=10, variants="two,per_leaf,torch", global_batch=64,
@@ -135,6 +138,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--variants: unknown {bad}; choose from two,per_leaf,torch")
     if a.no_torch and "torch" in a.variants:
         a.variants.remove("torch")
+    if a.cpu_devices < 0:
+        p.error(f"--cpu_devices {a.cpu_devices}: use 0 (one process per world size) or a count")
     return a
 
 
@@ -772,8 +777,49 @@ def profile(a) -> dict:
     return out
 
 
+def per_world_processes(a, argv: list[str]) -> dict:
+    """CPU, ``--cpu_devices 0``: every world size N is measured by its own child
+    process with exactly N simulated devices (the idle devices of a larger
+    simulated host cost time; see docs/performance.md), then the results are
+    merged into one JSON / table / plot. Variants of one world size stay
+    interleaved inside their child."""
+    sizes = [8] if a.world_sizes == "all" else [int(w) for w in str(a.world_sizes).split(",")]
+    os.makedirs(a.out, exist_ok=True)
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    results, metas = [], []
+    for n in sizes:
+        sub = os.path.join(a.out, f"world{n}")
+        cmd = [sys.executable, os.path.abspath(__file__), *argv,
+               "--world_sizes", str(n), "--cpu_devices", str(n), "--out", sub]
+        print(f"world size {n}: own process with {n} simulated device(s)", flush=True)
+        rc = subprocess.call(cmd)
+        if rc != 0:
+            raise SystemExit(f"world size {n}: the child benchmark failed (exit {rc}): {cmd}")
+        with open(os.path.join(sub, "benchmark.json")) as f:
+            child = json.load(f)
+        results += child["results"]
+        metas.append(child["meta"])
+    meta = dict(metas[0])
+    meta.update(world_sizes=sizes, wall_s=time.perf_counter() - t0, loadavg_start=load0,
+                loadavg_end=os.getloadavg(), simulated_devices="= world size (one process each)",
+                errors=[e for m in metas for e in m.get("errors", [])])
+    out = {"meta": meta, "results": results, "ratios": ratios(results, a)}
+    write_outputs(out, a)
+    return out
+
+
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_args(argv)
+    if (a.device == "cpu" and not a.gpu and not a.serve and not a.profile
+            and a.cpu_devices == 0):
+        sizes = [8] if a.world_sizes == "all" else str(a.world_sizes).split(",")
+        if len(sizes) > 1:
+            per_world_processes(a, argv)
+            return 0
+        a.cpu_devices = int(sizes[0])
+    if a.cpu_devices == 0:  # --profile / --serve children name their own counts
+        a.cpu_devices = 8
     configure_environment(a)
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)

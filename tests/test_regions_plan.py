@@ -83,10 +83,11 @@ def test_plan_layout_and_roundtrip():
     assert steps.build_plan(model, (8, 8, 1)).describe() == plan.describe()
 
 
+@pytest.mark.parametrize("kernel_order", ["HWIO", "IHWO"])
 @pytest.mark.parametrize("policy", ["two", "tail_minimal", "size:0.1", "per_leaf"])
-def test_bucket_policies_cover_every_leaf_once(policy):
+def test_bucket_policies_cover_every_leaf_once(policy, kernel_order):
     model = models.create_model("resnet20", num_classes=10)
-    plan = steps.build_plan(model, (8, 8, 1), policy)
+    plan = steps.build_plan(model, (8, 8, 1), policy, kernel_order)
     v = _variables(model, (8, 8, 1))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(v["params"]))
     assert sum(plan.bucket_sizes.values()) == n_params + len(METRICS)
@@ -119,3 +120,40 @@ def test_policy_layouts():
         steps.build_plan(model, (8, 8, 1), "size:x")
     with pytest.raises(ValueError, match=r"bucket policy 'three' is not one of"):
         steps.build_plan(model, (8, 8, 1), "three")
+
+
+def test_kernel_order_ihwo_lays_conv_gradients_out_transposed():
+    model = models.create_model("resnet8", num_classes=10)
+    v = _variables(model, (8, 8, 1))
+    hwio = steps.build_plan(model, (8, 8, 1))
+    ihwo = steps.build_plan(model, (8, 8, 1), "two", "IHWO")
+    # same buckets, offsets and sizes: only the order inside a conv kernel's run changes
+    assert [(s.bucket, s.offset, s.size) for s in ihwo.slots] == \
+        [(s.bucket, s.offset, s.size) for s in hwio.slots]
+    assert ihwo.describe()["kernel_order"] == "IHWO"
+    rng = np.random.default_rng(1)
+    grads = jax.tree_util.tree_map(lambda x: rng.normal(size=x.shape).astype(np.float32), v["params"])
+    bufs = ihwo.pack(grads, np.zeros(4, np.float32))
+    flat = dict(zip([s.name for s in ihwo.slots], jax.tree_util.tree_leaves(grads)))
+    for s in ihwo.slots:
+        run = np.asarray(bufs[s.bucket][s.offset:s.offset + s.size])
+        g = np.asarray(flat[s.name])
+        if s.region in (Region.FIRST_CONV, Region.DEEP_CONV):  # [kh, kw, I, O] -> [I, kh, kw, O]
+            assert s.order == (2, 0, 1, 3)
+            np.testing.assert_array_equal(run, g.transpose(2, 0, 1, 3).ravel())
+        else:
+            assert s.order is None
+            np.testing.assert_array_equal(run, g.ravel())
+    back, _ = ihwo.unpack(bufs)
+    assert all((a == b).all() for a, b in zip(jax.tree_util.tree_leaves(back),
+                                            jax.tree_util.tree_leaves(grads)))
+    # the per-leaf baseline keeps the parameters' own order
+    per_leaf = steps.build_plan(model, (8, 8, 1), "per_leaf", "IHWO")
+    assert per_leaf.kernel_order == "HWIO" and all(s.order is None for s in per_leaf.slots)
+    with pytest.raises(ValueError, match=r"kernel_order='OIHW' is not one of"):
+        steps.build_plan(model, (8, 8, 1), "two", "OIHW")
+    assert steps.resolve_kernel_order("auto", "cpu") == "IHWO"
+    assert steps.resolve_kernel_order("auto", "gpu") == "HWIO"
+    assert steps.resolve_kernel_order("HWIO", "cpu") == "HWIO"
+    with pytest.raises(ValueError, match=r"bucket_kernel_order='ohwi'.*'auto'"):
+        steps.resolve_kernel_order("ohwi", "cpu")

@@ -21,6 +21,16 @@ bucket policy (``BUCKET_POLICIES``) decides the grouping:
 * ``per_leaf``: one all-reduce per parameter (the Flax-example baseline), the
   metrics in their own small bucket.
 
+Inside a bucket, a conv kernel's gradient is laid out in the plan's
+``kernel_order`` (:data:`KERNEL_ORDERS`). ``"HWIO"`` is the parameter's own
+order. ``"IHWO"`` is the order in which XLA:CPU's weight-gradient convolution
+(YNNPACK) writes it: laying the bucket out that way makes packing a plain
+copy of the convolution outputs, and the transpose back to HWIO happens while
+the optimizer reads the reduced bucket. Under ``"HWIO"`` on CPU, XLA writes
+each kernel gradient twice: a transpose, then the copy into the bucket (see
+``docs/performance.md``). The per-leaf baseline always keeps HWIO, as
+``lax.pmean`` of a flax gradient tree does.
+
 The plan is a pure function of the model's abstract parameters: identical on
 every device and every process. After compilation it also carries the
 compiled executable's memory statistics (:meth:`MemoryPlan.with_memory`).
@@ -51,9 +61,18 @@ METRICS = ("loss_sum", "top1_correct", "top5_correct", "count")
 _METRICS_NAME = "result/metrics"
 
 
+KERNEL_ORDERS = ("HWIO", "IHWO")
+"""Axis orders a conv kernel gradient can take inside a bucket."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Slot:
-    """Where one leaf lives: ``buffer[bucket][offset : offset + size]``."""
+    """Where one leaf lives: ``buffer[bucket][offset : offset + size]``.
+
+    ``order`` is the permutation of the leaf's axes as laid out in the bucket
+    (``jnp.transpose(leaf, order).ravel()``); ``None`` means the leaf's own
+    order.
+    """
     name: str
     region: Region
     bucket: str
@@ -61,6 +80,18 @@ class Slot:
     size: int
     shape: tuple
     dtype: str
+    order: tuple | None = None
+
+    def to_bucket(self, x: jax.Array) -> jax.Array:
+        """``x`` (shaped like the leaf) as the flat run it occupies in the bucket."""
+        return jnp.ravel(x if self.order is None else jnp.transpose(x, self.order))
+
+    def from_bucket(self, flat: jax.Array) -> jax.Array:
+        """Inverse of :meth:`to_bucket`: ``[size]`` back to the leaf's shape."""
+        if self.order is None:
+            return flat.reshape(self.shape)
+        stored = flat.reshape(tuple(self.shape[a] for a in self.order))
+        return jnp.transpose(stored, tuple(np.argsort(self.order)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +118,8 @@ class MemoryPlan:
         statistics in the one buffer all-reduced in ``running`` mode.
       memory: the compiled train step's memory statistics in bytes
         (``argument``, ``output``, ``alias``, ``temp``, ``peak``), once known.
+      kernel_order: the order of conv kernel gradients inside the buckets
+        (one of :data:`KERNEL_ORDERS`).
     """
     policy: str
     slots: tuple
@@ -98,6 +131,7 @@ class MemoryPlan:
     stats_treedef: Any
     dtype: str = "float32"
     memory: Mapping[str, int] | None = None
+    kernel_order: str = "HWIO"
 
     # -- layout queries ---------------------------------------------------
     def bucket_bytes(self, bucket: str) -> int:
@@ -129,6 +163,7 @@ class MemoryPlan:
                 regions_of[r.bucket].append(r.region.value)
         return {
             "policy": self.policy,
+            "kernel_order": self.kernel_order,
             "buckets": {b: {"elements": n, "bytes": self.bucket_bytes(b), "regions": regions_of[b]}
                         for b, n in self.bucket_sizes.items()},
             "regions": [{"region": r.region.value, "bucket": r.bucket, "offset": r.offset,
@@ -152,7 +187,7 @@ class MemoryPlan:
         """
         leaves = jax.tree_util.tree_leaves(grads)
         pieces: dict[str, list] = {b: [] for b in self.bucket_sizes}
-        items = [(s.bucket, s.offset, jnp.ravel(g).astype(self.dtype))
+        items = [(s.bucket, s.offset, s.to_bucket(g).astype(self.dtype))
                  for s, g in zip(self.slots, leaves)]
         items.append((*self.metrics_slot, jnp.asarray(metrics, self.dtype).reshape(-1)))
         for bucket, _, x in sorted(items, key=lambda t: (t[0], t[1])):
@@ -162,7 +197,7 @@ class MemoryPlan:
 
     def unpack(self, buffers: Mapping[str, jax.Array]):
         """Inverse of :meth:`pack`: ``(grads pytree, metrics [len(METRICS)])``."""
-        leaves = [buffers[s.bucket][s.offset:s.offset + s.size].reshape(s.shape) for s in self.slots]
+        leaves = [s.from_bucket(buffers[s.bucket][s.offset:s.offset + s.size]) for s in self.slots]
         b, m0 = self.metrics_slot
         return (jax.tree_util.tree_unflatten(self.params_treedef, leaves),
                 buffers[b][m0:m0 + len(METRICS)])
@@ -243,7 +278,7 @@ def bucket_assignment(policy: str, regions: Mapping[str, Region], sizes: Mapping
 
 
 def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.float32,
-              policy: str = "two") -> MemoryPlan:
+              policy: str = "two", kernel_order: str = "HWIO") -> MemoryPlan:
     """Builds the plan from (abstract) params, BN statistics and their regions.
 
     Args:
@@ -252,10 +287,20 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
         call order) is the order of leaves inside a region.
       dtype: dtype of the bucket buffers (the all-reduce dtype).
       policy: see :func:`bucket_assignment`.
+      kernel_order: one of :data:`KERNEL_ORDERS`; applies to the 4-D
+        (``HWIO``) kernels of the first and deep convs, except under the
+        ``per_leaf`` policy, which keeps every leaf in its own order.
 
     Raises:
-      ValueError: a params leaf without a region, or a bad policy.
+      ValueError: a params leaf without a region, a bad policy or a bad
+        kernel order.
     """
+    if kernel_order not in KERNEL_ORDERS:
+        raise ValueError(f"kernel_order={kernel_order!r} is not one of {KERNEL_ORDERS}")
+    if policy == "per_leaf":
+        kernel_order = "HWIO"
+    # HWIO -> IHWO: (2, 0, 1, 3); HWIO is the leaf's own order
+    conv_order = (2, 0, 1, 3) if kernel_order == "IHWO" else None
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     names = ["params/" + path_str(p) for p, _ in flat]
     missing = [n for n in names if n not in regions]
@@ -274,7 +319,10 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
                 metrics_slot = (bucket, offset)
             else:
                 region, size = regions[n], sizes[n]
-                slot_of[n] = Slot(n, region, bucket, offset, size, shapes[n], np.dtype(dtype).name)
+                order = (conv_order if region in (Region.FIRST_CONV, Region.DEEP_CONV)
+                         and len(shapes[n]) == 4 else None)
+                slot_of[n] = Slot(n, region, bucket, offset, size, shapes[n], np.dtype(dtype).name,
+                                  order)
             if infos and infos[-1].bucket == bucket and infos[-1].region == region:
                 last = infos[-1]
                 infos[-1] = RegionInfo(region, bucket, last.offset, last.size + size,
@@ -292,4 +340,4 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
     return MemoryPlan(policy=policy, slots=tuple(slot_of[n] for n in names), regions=tuple(infos),
                       bucket_sizes=bucket_sizes, metrics_slot=metrics_slot,
                       stats_slots=stats_slots, params_treedef=treedef, stats_treedef=streedef,
-                      dtype=np.dtype(dtype).name)
+                      dtype=np.dtype(dtype).name, kernel_order=kernel_order)

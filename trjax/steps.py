@@ -189,13 +189,33 @@ def check_replicas_identical(tree) -> None:
                 raise RuntimeError(f"replica {i} differs from rank 0 at {jax.tree_util.keystr(path)}")
 
 
-def build_plan(model: nn.Module, image_shape: tuple, policy: str = "two") -> MemoryPlan:
-    """The MemoryPlan of ``model`` under a bucket ``policy`` (see
-    :mod:`trjax.plan`), from abstract shapes only (no compute)."""
+def build_plan(model: nn.Module, image_shape: tuple, policy: str = "two",
+               kernel_order: str = "HWIO") -> MemoryPlan:
+    """The MemoryPlan of ``model`` under a bucket ``policy`` and conv-kernel
+    order (see :mod:`trjax.plan`), from abstract shapes only (no compute)."""
     x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), jnp.float32)
     variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape), train=False))
     regions = assign_regions(model, variables, x)
-    return make_plan(variables["params"], variables["batch_stats"], regions, policy=policy)
+    return make_plan(variables["params"], variables["batch_stats"], regions, policy=policy,
+                     kernel_order=kernel_order)
+
+
+def resolve_kernel_order(setting: str, platform: str) -> str:
+    """``config.bucket_kernel_order`` for a backend: ``"auto"`` is ``"IHWO"`` on
+    ``cpu`` (the order of XLA:CPU's weight-gradient convolution output, so
+    packing a bucket is one copy instead of a transpose and a copy) and
+    ``"HWIO"`` elsewhere; other values pass through.
+
+    Raises:
+      ValueError: ``setting`` is not ``"auto"`` or one of ``plan.KERNEL_ORDERS``.
+    """
+    from trjax.plan import KERNEL_ORDERS
+    if setting == "auto":
+        return "IHWO" if platform == "cpu" else "HWIO"
+    if setting not in KERNEL_ORDERS:
+        raise ValueError(f"config.bucket_kernel_order={setting!r} is not one of "
+                         f"{('auto',) + KERNEL_ORDERS}")
+    return setting
 
 
 # --------------------------------------------------------------------------

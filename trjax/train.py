@@ -29,6 +29,7 @@ import numpy as np
 from trjax import (allreduce, checkpoint, compression, datasets, distributed, input_pipeline,
                    models, optim, steps)
 from trjax.batchnorm import BN_MODES
+from trjax.plan import KERNEL_ORDERS
 from trjax.precision import INITIAL_LOSS_SCALE, PRECISIONS, compute_dtype
 from trjax.world import check_batch_split, host_value, make_world
 
@@ -61,7 +62,8 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                "dataset": input_pipeline.DATASETS,
                "train_remainder": input_pipeline.REMAINDERS,
                "allreduce": tuple(allreduce.ALGORITHMS),
-               "compression": tuple(compression.COMPRESSORS)}
+               "compression": tuple(compression.COMPRESSORS),
+               "bucket_kernel_order": ("auto",) + KERNEL_ORDERS}
     for field, valid in choices.items():
         if config[field] not in valid:
             raise ValueError(f"config.{field}={config[field]!r} is not one of {sorted(valid)}")
@@ -138,7 +140,9 @@ def setup(config: ml_collections.ConfigDict,
     model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
                                 dtype=dtype)
-    plan = steps.build_plan(model, data.image_shape, config.buckets)
+    plan = steps.build_plan(model, data.image_shape, config.buckets,
+                            steps.resolve_kernel_order(config.bucket_kernel_order,
+                                                       world.devices[0].platform))
     compressor = None
     if config.compression != "none":
         # Buckets below compression_min_fraction of the gradient bytes are all-reduced
@@ -293,6 +297,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     validate_config(config)
     ckpt_dir = os.path.join(workdir, "checkpoints")
     expect = {k: config[k] for k in checkpoint.COMPATIBLE_FIELDS}
+    if config.compression != "none" or config.shard_optimizer_state:
+        # error feedback / sharded optimizer state are stored in bucket layout
+        expect["bucket_kernel_order"] = steps.resolve_kernel_order(
+            config.bucket_kernel_order, jax.devices()[0].platform)
     if config.resume and os.path.isdir(ckpt_dir):  # incompatible: an error before compiling
         checkpoint.check_compatible(checkpoint.manager(ckpt_dir, config.keep_checkpoints), expect)
     tr = setup(config, data)
