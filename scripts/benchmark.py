@@ -67,6 +67,9 @@ H100_BF16_DENSE_TFLOPS = 989.0  # H100/H200 SXM, bf16 dense tensor-core peak per
 YNN_OFF = "--xla_cpu_experimental_ynn_fusion_type="  # empty list: convolutions go to Eigen
 NO_EIGEN_MT = "--xla_cpu_multi_thread_eigen=false"
 YNN_PLUS = "--xla_cpu_experimental_ynn_fusion_type=+eltwise,+reduce"  # also elementwise/reductions
+# YNNPACK keeps its default fusions (reductions, dots) but convolutions go to Eigen
+YNN_NO_CONV = "--xla_cpu_experimental_ynn_fusion_type=-individual_convolution"
+YNN_REDUCE_DOT = "--xla_cpu_experimental_ynn_fusion_type=reduce,dot"
 
 
 # --------------------------------------------------------------------------
@@ -93,6 +96,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cpu_devices", type=int, default=0,
                    help="simulated CPU devices; 0 (default): each world size N runs in its own "
                         "process with exactly N devices")
+    p.add_argument("--cpu_convolutions", default="auto",
+                   help="XLA:CPU convolutions: auto (eigen when devices <= cores), eigen, ynnpack; "
+                        "see trjax.host")
+    p.add_argument("--reuse_memory", default="auto", choices=("auto", "on", "off"),
+                   help="glibc keeps freed host memory (trjax.host.reuse_host_memory); "
+                        "auto: with ynnpack convolutions")
     p.add_argument("--torch_threads", type=int, default=0,
                    help="threads per torch rank; 0: max(1, cores // N)")
     p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baseline")
@@ -393,6 +402,11 @@ def summarize(times: list[float], global_batch: int) -> dict:
 # the benchmark
 # --------------------------------------------------------------------------
 
+def _conv_library() -> str:
+    from trjax import host
+    return host.convolution_library()
+
+
 def world_sizes(a) -> list[int]:
     import jax
     n = len(jax.devices())
@@ -430,6 +444,8 @@ def benchmark(a) -> dict:
         "device_kind": jax.devices()[0].device_kind, "devices_available": ndev,
         "cpu_cores": os.cpu_count(), "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "python": platform.python_version(),
+        "cpu_convolutions": _conv_library(), "simulated_devices": ndev,
+        "reuse_host_memory": getattr(a, "host", {}).get("reuse_memory"),
         "loadavg_start": os.getloadavg(), "peak_tflops": a.peak_tflops,
         "data": "random normal float32 (not zeros)", "torch_skipped": torch_msg,
     }
@@ -475,6 +491,9 @@ def benchmark(a) -> dict:
                           if flops and a.gpu else None)
             if isinstance(variants[name], JaxVariant):
                 row["skipped_updates_seen"] = variants[name].skipped
+                row["simulated_devices"] = ndev
+                row["cpu_convolutions"] = meta["cpu_convolutions"] if a.device == "cpu" else None
+                row["reuse_host_memory"] = meta["reuse_host_memory"]
             results.append(row)
         for v in variants.values():
             if isinstance(v, JaxVariant):
@@ -537,13 +556,18 @@ def markdown(out: dict) -> str:
     for e in m.get("errors", []):
         lines += [f"*failed: {e[:300]}*", ""]
     mfu = any(r.get("mfu") is not None for r in rs)
-    head = "| world | variant | images/s | s/step (median) | [p25, p75] | GFLOP/s |" + \
+    cpu = m["mode"] == "cpu"
+    head = "| world | variant |" + (" devices / XLA:CPU convs / memory reuse |" if cpu else "") + \
+        " images/s | s/step (median) | [p25, p75] | GFLOP/s |" + \
         (" MFU |" if mfu else "") + " train-step compile s |"
     lines += [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rs:
         i = r["info"]
         gf = f"{r['gflops_per_s']:.1f}" if r.get("gflops_per_s") else "-"
-        lines.append(f"| {r['world_size']} | {r['variant']} | {r['images_per_s']:.1f} | "
+        reuse = {True: "reuse", False: "-"}.get(r.get("reuse_host_memory"), "-")
+        dev = (f" {r['simulated_devices']} / {r['cpu_convolutions']} / {reuse} |"
+               if r.get("simulated_devices") else " - |") if cpu else ""
+        lines.append(f"| {r['world_size']} | {r['variant']} |{dev} {r['images_per_s']:.1f} | "
                      f"{r['median_step_s']:.3f} | [{r['p25_step_s']:.3f}, {r['p75_step_s']:.3f}] | "
                      f"{gf} |")
         if mfu:
@@ -656,6 +680,42 @@ PROFILE_GROUPS = {
         ("w2 of 2 devices YNN off (Eigen conv)", 2, 2, YNN_OFF, False, "two", "fp32"),
         ("w8 YNN +eltwise,+reduce", 8, 8, YNN_PLUS, False, "two", "fp32"),
     ], (2,)),
+    "Eigen convolutions, YNN reductions": ("w2 of 2 devices", [
+        ("w2 of 2 devices", 2, 2, "", False, "two", "fp32"),
+        ("w2 of 2, YNN without convolutions", 2, 2, YNN_NO_CONV, False, "two", "fp32"),
+        ("w2 of 2, YNN reduce,dot only", 2, 2, YNN_REDUCE_DOT, False, "two", "fp32"),
+    ], (2,)),
+    "Eigen convolutions, YNN reductions (world 8, 1)": ("w8", [
+        ("w8", 8, 8, "", False, "two", "fp32"),
+        ("w8, YNN without convolutions", 8, 8, YNN_NO_CONV, False, "two", "fp32"),
+        ("w1 of 1", 1, 1, "", False, "two", "fp32"),
+        ("w1 of 1, YNN without convolutions", 1, 1, YNN_NO_CONV, False, "two", "fp32"),
+    ], ()),
+    "Eigen convolutions, single-threaded per device": ("w2 of 2, YNN without convolutions", [
+        ("w2 of 2, YNN without convolutions", 2, 2, YNN_NO_CONV, False, "two", "fp32"),
+        ("w2 of 2, YNN without convolutions, no multi-thread Eigen", 2, 2,
+         YNN_NO_CONV + " " + NO_EIGEN_MT, False, "two", "fp32"),
+        ("w8, YNN without convolutions", 8, 8, YNN_NO_CONV, False, "two", "fp32"),
+        ("w8, YNN without convolutions, no multi-thread Eigen", 8, 8,
+         YNN_NO_CONV + " " + NO_EIGEN_MT, False, "two", "fp32"),
+        ("w8", 8, 8, "", False, "two", "fp32"),
+    ], ()),
+    "bucket layouts (world 8)": ("w8 two", [
+        ("w8 two", 8, 8, "", False, "two", "fp32"),
+        ("w8 per_leaf", 8, 8, "", False, "per_leaf", "fp32"),
+        ("w8 one bucket (size:1000)", 8, 8, "", False, "size:1000", "fp32"),
+    ], ()),
+    "host memory reuse": ("w8 two", [
+        ("w8 two", 8, 8, "", False, "two", "fp32"),
+        ("w8 two, reuse host memory", 8, 8, "", False, "two", "fp32",
+         ["--cpu_convolutions", "ynnpack", "--reuse_memory", "on"]),
+        ("w8 per_leaf, reuse host memory", 8, 8, "", False, "per_leaf", "fp32",
+         ["--cpu_convolutions", "ynnpack", "--reuse_memory", "on"]),
+        ("w2 of 2, Eigen convolutions", 2, 2, "", False, "two", "fp32",
+         ["--cpu_convolutions", "eigen", "--reuse_memory", "off"]),
+        ("w2 of 2, Eigen convolutions, reuse host memory", 2, 2, "", False, "two", "fp32",
+         ["--cpu_convolutions", "eigen", "--reuse_memory", "on"]),
+    ], (2,)),
 }
 
 
@@ -689,7 +749,10 @@ def serve(a) -> int:
 
 def _profile_group(a, group: str, ref: str, specs, torch_worlds) -> list[dict]:
     variants, infos = {}, {}
-    for name, world, ndev, flags, host_input, buckets, precision in specs:
+    for name, world, ndev, flags, host_input, buckets, precision, *host_args in specs:
+        # jaxlib's defaults unless the spec names trjax.host settings of its own
+        host_args = host_args[0] if host_args else ["--cpu_convolutions", "ynnpack",
+                                                    "--reuse_memory", "off"]
         env = dict(os.environ)
         env.pop("XLA_FLAGS", None)
         xla = " ".join(f for f in (a.xla_flags, flags) if f)
@@ -697,12 +760,13 @@ def _profile_group(a, group: str, ref: str, specs, torch_worlds) -> list[dict]:
                "--image", ",".join(map(str, a.image)), "--global_batch", str(a.global_batch),
                "--num_classes", str(a.num_classes), "--precision", precision,
                "--cpu_devices", str(ndev), "--warmup", str(a.warmup), f"--xla_flags={xla}",
-               "--serve", json.dumps({"name": name, "world": world, "host_input": host_input,
+               *host_args, "--serve", json.dumps({"name": name, "world": world, "host_input": host_input,
                                       "buckets": buckets})]
         slug = "".join(ch if ch.isalnum() else "_" for ch in f"{group} {name}")
         v = ServerVariant(name, cmd, env=env, log_path=os.path.join(a.out, f"profile_{slug}.log"))
         try:  # one at a time: compile times stay comparable
-            infos[name] = {**v.wait_ready(), "xla_flags_extra": flags, "host_input": host_input,
+            infos[name] = {**v.wait_ready(), "xla_flags_extra": " ".join([flags, *host_args]),
+                           "host_input": host_input,
                            "cpu_devices": ndev, "buckets": buckets, "precision": precision}
             variants[name] = v
             print(f"  [{group}] {name}: ready, compile {infos[name]['compile_s']:.1f} s", flush=True)
@@ -825,7 +889,12 @@ def main(argv=None) -> int:
     absl_logging.set_verbosity(absl_logging.WARNING)
     import jax
     if a.device == "cpu":
-        jax.config.update("jax_num_cpu_devices", int(a.cpu_devices))
+        from trjax import host
+        try:
+            a.host = host.configure_cpu(int(a.cpu_devices), a.cpu_convolutions,
+                                        a.reuse_memory)
+        except ValueError as e:
+            raise SystemExit(f"error: {e}")
     elif jax.devices()[0].platform != "gpu":
         raise SystemExit(f"--gpu: no GPU visible to jax (platform {jax.devices()[0].platform}); "
                          "install jax[cuda12] or use --gpu --dry_run")

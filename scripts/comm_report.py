@@ -26,9 +26,9 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # jax's backend probing is not news
-    import jax
     config = flags.FLAGS.config
-    jax.config.update("jax_num_cpu_devices", int(config.cpu_devices))
+    from trjax import host
+    host.configure_cpu(config.cpu_devices, config.cpu_convolutions, config.cpu_reuse_memory)
     from trjax.report import comm_report, format_report
     report = comm_report(config)
     print(json.dumps(report, indent=2) if flags.FLAGS.json else format_report(report))

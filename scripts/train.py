@@ -26,8 +26,12 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # jax's backend probing is not news
     import jax
     config = flags.FLAGS.config
-    # Only the CPU backend reads this; it must be set before any device is used.
-    jax.config.update("jax_num_cpu_devices", int(config.cpu_devices))
+    # Only the CPU backend reads these; they must be set before any device is used.
+    from trjax import host
+    try:
+        host.configure_cpu(config.cpu_devices, config.cpu_convolutions, config.cpu_reuse_memory)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     from trjax import distributed
     d = config.distributed
     distributed.initialize(d.coordinator, d.num_processes, d.process_id, auto=d.auto,

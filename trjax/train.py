@@ -26,8 +26,8 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import (allreduce, checkpoint, compression, datasets, distributed, input_pipeline,
-                   models, optim, steps)
+from trjax import (allreduce, checkpoint, compression, datasets, distributed, host,
+                   input_pipeline, models, optim, steps)
 from trjax.batchnorm import BN_MODES
 from trjax.plan import KERNEL_ORDERS
 from trjax.precision import INITIAL_LOSS_SCALE, PRECISIONS, compute_dtype
@@ -63,7 +63,9 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                "train_remainder": input_pipeline.REMAINDERS,
                "allreduce": tuple(allreduce.ALGORITHMS),
                "compression": tuple(compression.COMPRESSORS),
-               "bucket_kernel_order": ("auto",) + KERNEL_ORDERS}
+               "bucket_kernel_order": ("auto",) + KERNEL_ORDERS,
+               "cpu_convolutions": host.CPU_CONVOLUTIONS,
+               "cpu_reuse_memory": host.CPU_REUSE_MEMORY}
     for field, valid in choices.items():
         if config[field] not in valid:
             raise ValueError(f"config.{field}={config[field]!r} is not one of {sorted(valid)}")
@@ -431,6 +433,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         "world_size": world.world_size, "process_count": jax.process_count(),
         "global_batch_size": world.global_batch_size,
         "local_batch_size": world.local_batch_size, "platform": world.devices[0].platform,
+        "cpu_convolutions": host.convolution_library(),
         "bn_mode": config.bn_mode, "precision": config.precision, "model": config.model,
         "dataset": config.dataset, "epochs": config.num_epochs,
         "steps": int(host_value(state.step)), "halted": halted,

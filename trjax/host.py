@@ -1,0 +1,153 @@
+"""The CPU backend: simulated devices, convolution kernels and host memory reuse.
+
+Without an accelerator trjax runs on XLA:CPU, with ``cpu_devices`` simulated
+devices so that the data-parallel path (mesh, shard_map, all-reduces) is the
+same as on GPUs. Three process-wide settings decide how fast that is, and all
+must be made before the backend starts (the first ``jax.devices()`` or
+computation):
+
+* ``jax_num_cpu_devices``: the number of simulated devices.
+* the convolution library of XLA:CPU. By default jaxlib sends convolutions to
+  YNNPACK fusions. Measured on a 2-core host (``docs/performance.md``), Eigen's
+  convolutions are faster when every simulated device has a core of its own
+  (ResNet-18 at world 2 on 2 devices: 1.31x per step, world 1: 1.66x); the
+  YNNPACK convolutions win slightly when more devices than cores share them
+  (world 8 on 2 cores: Eigen 0.95x). YNNPACK keeps its other fusions
+  (reductions, dots) either way: with those in Eigen/LLVM too, the BN
+  reductions alone cost 0.7 s per step.
+
+* host memory reuse (:func:`reuse_host_memory`). XLA:CPU allocates each
+  execution's temporary buffer (hundreds of MB for a ResNet step) with
+  ``malloc``. glibc serves such blocks with fresh ``mmap`` pages, also in the
+  per-thread arenas the device threads use, and unmaps them on ``free``, so
+  every step page-faults its whole temp again: at world 8 of ResNet-18, 1.2 GB
+  of page faults and 0.5 s of kernel time per step. Keeping freed memory in
+  one heap makes later steps reuse the same pages (world 8: 1.35x per step).
+  The single heap has a cost: Eigen's multi-threaded convolutions allocate
+  from it concurrently and slow down more than the page faults cost (world 1:
+  0.90x, world 2: 0.95x), so ``"auto"`` reuses memory only with YNNPACK
+  convolutions.
+
+:func:`configure_cpu` applies all three. ``"auto"`` picks Eigen convolutions
+without memory reuse when ``cpu_devices`` is at most the number of cores this
+process may run on, and YNNPACK convolutions with memory reuse otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+
+import jax
+
+CPU_CONVOLUTIONS = ("auto", "eigen", "ynnpack")
+CPU_REUSE_MEMORY = ("auto", "on", "off")
+YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
+# jaxlib's default YNNPACK fusions, minus convolutions (they go to Eigen)
+EIGEN_CONV_FLAGS = (f"{YNN_FLAG}=-individual_convolution",)
+
+
+def available_cores() -> int:
+    """CPU cores this process may run on (its affinity mask, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def resolve_cpu_convolutions(setting: str, cpu_devices: int, cores: int | None = None) -> str:
+    """``"eigen"`` or ``"ynnpack"`` for ``setting`` (one of :data:`CPU_CONVOLUTIONS`).
+
+    ``"auto"`` is ``"eigen"`` when ``cpu_devices <= cores`` (default: the
+    available cores), else ``"ynnpack"``.
+
+    Raises:
+      ValueError: an unknown ``setting`` or a ``cpu_devices`` below 1.
+    """
+    if setting not in CPU_CONVOLUTIONS:
+        raise ValueError(f"config.cpu_convolutions={setting!r} is not one of {CPU_CONVOLUTIONS}")
+    if isinstance(cpu_devices, bool) or not isinstance(cpu_devices, int) or cpu_devices < 1:
+        raise ValueError(f"config.cpu_devices={cpu_devices!r} must be a positive int")
+    if setting != "auto":
+        return setting
+    return "eigen" if cpu_devices <= (cores or available_cores()) else "ynnpack"
+
+
+def reuse_host_memory() -> bool:
+    """Makes glibc keep freed memory in the process for reuse.
+
+    ``mallopt``: one arena (``M_ARENA_MAX=1``, so XLA's device threads share
+    the main heap), no ``mmap`` for large blocks (``M_MMAP_MAX=0``) and no
+    trimming of the heap's top below 2 GiB (``M_TRIM_THRESHOLD``). Freed
+    blocks then return to the heap instead of to the kernel, so the next step's
+    buffers are already-mapped pages. The process's resident memory stays at
+    its peak instead of shrinking after each step. Call it before the backend
+    starts its threads; threads that already have an arena keep it.
+
+    Returns:
+      True when applied; False off Linux/glibc (nothing is changed).
+    """
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8  # <malloc.h>
+    return bool(libc.mallopt(m_arena_max, 1) and libc.mallopt(m_mmap_max, 0)
+                and libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+def configure_cpu(cpu_devices: int, convolutions: str = "auto",
+                  reuse_memory: str = "auto") -> dict:
+    """Sets the simulated CPU device count, the convolution library and host
+    memory reuse.
+
+    Call it before anything touches a device (as ``scripts/train.py`` does). On
+    a host with an accelerator it only affects the (unused) CPU backend.
+
+    Args:
+      cpu_devices: simulated CPU devices (``jax_num_cpu_devices``).
+      convolutions: ``"auto"``, ``"eigen"`` or ``"ynnpack"`` (see the module
+        docstring). An explicit ``--xla_cpu_experimental_ynn_fusion_type`` in
+        ``XLA_FLAGS`` always wins.
+      reuse_memory: ``"on"``, ``"off"`` or ``"auto"`` (on with YNNPACK
+        convolutions): whether to apply :func:`reuse_host_memory`.
+
+    Returns:
+      ``{"convolutions": "eigen" | "ynnpack" | "XLA_FLAGS" (the user's own
+      flag), "reuse_memory": bool}``: what is in effect.
+
+    Raises:
+      ValueError: a bad setting, or the backend is already running (the
+        settings could no longer take effect).
+    """
+    library = resolve_cpu_convolutions(convolutions, cpu_devices)
+    if reuse_memory not in CPU_REUSE_MEMORY:
+        raise ValueError(f"config.cpu_reuse_memory={reuse_memory!r} is not one of "
+                         f"{CPU_REUSE_MEMORY}")
+    initialized = getattr(getattr(jax._src, "xla_bridge", None), "backends_are_initialized",
+                          lambda: False)
+    if initialized():
+        raise ValueError("trjax.host.configure_cpu: the jax backend is already initialized; "
+                         "call it before the first jax.devices() or computation")
+    jax.config.update("jax_num_cpu_devices", int(cpu_devices))
+    flags = os.environ.get("XLA_FLAGS", "")
+    if YNN_FLAG in flags:
+        library = "XLA_FLAGS"
+    reuse = reuse_memory == "on" or (reuse_memory == "auto" and library != "eigen")
+    reused = reuse_host_memory() if reuse else False
+    if library == "eigen":
+        os.environ["XLA_FLAGS"] = " ".join([flags, *EIGEN_CONV_FLAGS]).strip()
+    return {"convolutions": library, "reuse_memory": reused}
+
+
+def convolution_library() -> str:
+    """What this process's ``XLA_FLAGS`` select for XLA:CPU convolutions:
+    ``"eigen"``, ``"ynnpack"`` (jaxlib's default) or ``"XLA_FLAGS"`` (some
+    other explicit YNNPACK fusion list)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if all(f in flags for f in EIGEN_CONV_FLAGS):
+        return "eigen"
+    return "XLA_FLAGS" if YNN_FLAG in flags else "ynnpack"
