@@ -22,8 +22,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.cpu_devices = 8              # simulated CPU devices when there is no accelerator
     c.cpu_convolutions = "auto"    # XLA:CPU convolutions: "eigen", "ynnpack"; auto: eigen
     #                                when cpu_devices <= cores (trjax.host)
-    c.cpu_reuse_memory = "auto"    # "on", "off"; glibc keeps freed host memory (no page
-    #                                faults per step); auto: on with ynnpack convolutions
+    c.cpu_reuse_memory = False     # glibc keeps freed host memory: no page faults per step;
+    #                                pays for big models only (trjax.host)
     c.global_batch_size = 128
     c.eval_batch_size = 128        # global; must divide by the world size too
     # model

@@ -100,8 +100,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="XLA:CPU convolutions: auto (eigen when devices <= cores), eigen, ynnpack; "
                         "see trjax.host")
     p.add_argument("--reuse_memory", default="auto", choices=("auto", "on", "off"),
-                   help="glibc keeps freed host memory (trjax.host.reuse_host_memory); "
-                        "auto: with ynnpack convolutions")
+                   help="glibc keeps freed host memory (trjax.host.reuse_host_memory, "
+                        "config.cpu_reuse_memory); auto: on where the convolutions are "
+                        "YNNPACK's (more devices than cores)")
     p.add_argument("--torch_threads", type=int, default=0,
                    help="threads per torch rank; 0: max(1, cores // N)")
     p.add_argument("--no_torch", action="store_true", help="skip the PyTorch baseline")
@@ -367,6 +368,7 @@ def torch_server(a, world: int, log_path: str) -> ServerVariant:
                 "--compile_backend", "eager" if a.dry_run else "inductor"]
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
+    env.pop("GLIBC_TUNABLES", None)  # torch runs with glibc's defaults, as its users do
     return ServerVariant("torch/ddp", cmd, env=env, log_path=log_path)
 
 
@@ -891,8 +893,9 @@ def main(argv=None) -> int:
     if a.device == "cpu":
         from trjax import host
         try:
-            a.host = host.configure_cpu(int(a.cpu_devices), a.cpu_convolutions,
-                                        a.reuse_memory)
+            lib = host.resolve_cpu_convolutions(a.cpu_convolutions, int(a.cpu_devices))
+            reuse = a.reuse_memory == "on" or (a.reuse_memory == "auto" and lib == "ynnpack")
+            a.host = host.configure_cpu(int(a.cpu_devices), a.cpu_convolutions, reuse)
         except ValueError as e:
             raise SystemExit(f"error: {e}")
     elif jax.devices()[0].platform != "gpu":

@@ -37,7 +37,7 @@ if sys.argv[2]:
     os.environ["XLA_FLAGS"] = sys.argv[2]
 import jax, jax.numpy as jnp
 from trjax import host
-lib = host.configure_cpu(2, sys.argv[1])
+lib = host.configure_cpu(2, sys.argv[1], sys.argv[1] == "ynnpack")
 x, w = jnp.ones((8, 32, 32, 64)), jnp.ones((3, 3, 64, 64))
 conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
                                                  dimension_numbers=("NHWC", "HWIO", "NHWC"))
@@ -49,8 +49,8 @@ print(lib["convolutions"], host.convolution_library(), len(jax.devices()), "__yn
 
 @pytest.mark.parametrize("setting,flags,expect", [
     ("eigen", "", "eigen eigen 2 False False"),     # Eigen's convolution, outside YNNPACK
-    ("ynnpack", "", "ynnpack ynnpack 2 True True"),  # auto: memory reuse with YNNPACK
-    ("eigen", "--xla_cpu_experimental_ynn_fusion_type=+eltwise", "XLA_FLAGS XLA_FLAGS 2 True True"),
+    ("ynnpack", "", "ynnpack ynnpack 2 True True"),
+    ("eigen", "--xla_cpu_experimental_ynn_fusion_type=+eltwise", "XLA_FLAGS XLA_FLAGS 2 True False"),
 ])
 def test_configure_cpu_selects_the_convolution_library(setting, flags, expect):
     out = subprocess.run([sys.executable, "-c", _PROBE, setting, flags], cwd=ROOT,
@@ -64,7 +64,7 @@ _FAULTS = """
 import resource, sys
 import jax, jax.numpy as jnp
 from trjax import host
-print(host.configure_cpu(1, "ynnpack", sys.argv[1])["reuse_memory"])
+print(host.configure_cpu(1, "ynnpack", sys.argv[1] == "on")["reuse_memory"])
 f = jax.jit(lambda x: jnp.sort(x)[::4096].sum())  # 64 MB temporaries per call
 x = jnp.arange(2 ** 24, dtype=jnp.float32)
 for _ in range(2):

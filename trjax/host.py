@@ -23,14 +23,16 @@ computation):
   every step page-faults its whole temp again: at world 8 of ResNet-18, 1.2 GB
   of page faults and 0.5 s of kernel time per step. Keeping freed memory in
   one heap makes later steps reuse the same pages (world 8: 1.35x per step).
-  The single heap has a cost: Eigen's multi-threaded convolutions allocate
-  from it concurrently and slow down more than the page faults cost (world 1:
-  0.90x, world 2: 0.95x), so ``"auto"`` reuses memory only with YNNPACK
-  convolutions.
+  The single heap has a cost, paid by every thread that allocates: Eigen's
+  multi-threaded convolutions (world 1: 0.90x, world 2: 0.95x), XLA's
+  compiler (train-step compile 5.2 -> 8.6 s) and small steps (the main job,
+  ResNet-20 on 8x8 digits at world 8: 0.47x). So it is off unless asked for:
+  turn it on for big models whose steps need temporaries of tens of MB per
+  device.
 
 :func:`configure_cpu` applies all three. ``"auto"`` picks Eigen convolutions
-without memory reuse when ``cpu_devices`` is at most the number of cores this
-process may run on, and YNNPACK convolutions with memory reuse otherwise.
+when ``cpu_devices`` is at most the number of cores this process may run on,
+YNNPACK convolutions otherwise.
 """
 
 from __future__ import annotations
@@ -42,7 +44,6 @@ import platform
 import jax
 
 CPU_CONVOLUTIONS = ("auto", "eigen", "ynnpack")
-CPU_REUSE_MEMORY = ("auto", "on", "off")
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 # jaxlib's default YNNPACK fusions, minus convolutions (they go to Eigen)
 EIGEN_CONV_FLAGS = (f"{YNN_FLAG}=-individual_convolution",)
@@ -100,7 +101,7 @@ def reuse_host_memory() -> bool:
 
 
 def configure_cpu(cpu_devices: int, convolutions: str = "auto",
-                  reuse_memory: str = "auto") -> dict:
+                  reuse_memory: bool = False) -> dict:
     """Sets the simulated CPU device count, the convolution library and host
     memory reuse.
 
@@ -112,8 +113,8 @@ def configure_cpu(cpu_devices: int, convolutions: str = "auto",
       convolutions: ``"auto"``, ``"eigen"`` or ``"ynnpack"`` (see the module
         docstring). An explicit ``--xla_cpu_experimental_ynn_fusion_type`` in
         ``XLA_FLAGS`` always wins.
-      reuse_memory: ``"on"``, ``"off"`` or ``"auto"`` (on with YNNPACK
-        convolutions): whether to apply :func:`reuse_host_memory`.
+      reuse_memory: apply :func:`reuse_host_memory` (see the module
+        docstring for when it pays).
 
     Returns:
       ``{"convolutions": "eigen" | "ynnpack" | "XLA_FLAGS" (the user's own
@@ -124,9 +125,8 @@ def configure_cpu(cpu_devices: int, convolutions: str = "auto",
         settings could no longer take effect).
     """
     library = resolve_cpu_convolutions(convolutions, cpu_devices)
-    if reuse_memory not in CPU_REUSE_MEMORY:
-        raise ValueError(f"config.cpu_reuse_memory={reuse_memory!r} is not one of "
-                         f"{CPU_REUSE_MEMORY}")
+    if not isinstance(reuse_memory, bool):
+        raise ValueError(f"config.cpu_reuse_memory={reuse_memory!r} must be True or False")
     initialized = getattr(getattr(jax._src, "xla_bridge", None), "backends_are_initialized",
                           lambda: False)
     if initialized():
@@ -136,8 +136,7 @@ def configure_cpu(cpu_devices: int, convolutions: str = "auto",
     flags = os.environ.get("XLA_FLAGS", "")
     if YNN_FLAG in flags:
         library = "XLA_FLAGS"
-    reuse = reuse_memory == "on" or (reuse_memory == "auto" and library != "eigen")
-    reused = reuse_host_memory() if reuse else False
+    reused = reuse_host_memory() if reuse_memory else False
     if library == "eigen":
         os.environ["XLA_FLAGS"] = " ".join([flags, *EIGEN_CONV_FLAGS]).strip()
     return {"convolutions": library, "reuse_memory": reused}

@@ -64,8 +64,7 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
                "allreduce": tuple(allreduce.ALGORITHMS),
                "compression": tuple(compression.COMPRESSORS),
                "bucket_kernel_order": ("auto",) + KERNEL_ORDERS,
-               "cpu_convolutions": host.CPU_CONVOLUTIONS,
-               "cpu_reuse_memory": host.CPU_REUSE_MEMORY}
+               "cpu_convolutions": host.CPU_CONVOLUTIONS}
     for field, valid in choices.items():
         if config[field] not in valid:
             raise ValueError(f"config.{field}={config[field]!r} is not one of {sorted(valid)}")
