@@ -9,6 +9,8 @@ import sys
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
+from trjax.host import available_cores  # noqa: E402
+
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 
@@ -19,22 +21,22 @@ def _env():
     return env
 
 
-def _check_outputs(out, expect_variants, world):
+def _check_outputs(out, expect_variants, world, worlds=None):
     for name in ("benchmark.json", "benchmark.md", "benchmark.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
     assert (out / "benchmark.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     r = json.loads((out / "benchmark.json").read_text())
-    rows = {x["variant"]: x for x in r["results"]}
+    rows = {x["variant"]: x for x in r["results"] if x["world_size"] == world}
     assert set(rows) == set(expect_variants)
-    for row in rows.values():
-        assert row["world_size"] == world
+    assert sorted({x["world_size"] for x in r["results"]}) == (worlds or [world])
+    for row in r["results"]:
         assert row["images_per_s"] > 0 and row["median_step_s"] > 0
         assert row["steps_timed"] == 2
     two = rows["trjax/two"]["info"]
     assert two["compile_s"] > 0 and two["flops_per_step"] > 0
     assert two["comm"]["ring_model_per_rank_bytes"] > 0  # world 2: traffic is not zero
     md = (out / "benchmark.md").read_text()
-    assert "| world | variant | images/s" in md
+    assert "| world | variant |" in md and " images/s |" in md
     return r
 
 
@@ -45,8 +47,9 @@ def test_gpu_dry_run_and_tiny_cpu_mode(tmp_path):
         [sys.executable, SCRIPT, "--gpu", "--dry_run", "--model", "resnet8", "--out", str(gpu_out)],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cpu = subprocess.Popen(
+        # two world sizes: one child process each, with exactly N simulated devices
         [sys.executable, SCRIPT, "--model", "resnet8", "--image", "8,8,1", "--global_batch", "16",
-         "--world_sizes", "2", "--warmup", "1", "--steps", "2", "--rounds", "1",
+         "--world_sizes", "1,2", "--warmup", "1", "--steps", "2", "--rounds", "1",
          "--variants", "two,per_leaf", "--out", str(cpu_out)],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     gpu_log, _ = gpu.communicate(timeout=300)
@@ -67,7 +70,14 @@ def test_gpu_dry_run_and_tiny_cpu_mode(tmp_path):
     else:
         assert "torch is not importable" in gpu_log
 
-    r = _check_outputs(cpu_out, ["trjax/two", "trjax/per_leaf"], world=2)
+    r = _check_outputs(cpu_out, ["trjax/two", "trjax/per_leaf"], world=2, worlds=[1, 2])
     assert r["meta"]["mode"] == "cpu"
+    for row in r["results"]:  # each world size ran on its own N devices, Eigen convolutions
+        assert row["simulated_devices"] == row["world_size"]
+        assert row["cpu_convolutions"] == ("eigen" if row["world_size"] <= available_cores()
+                                           else "ynnpack")
+        assert row["reuse_host_memory"] is (row["cpu_convolutions"] == "ynnpack")
+    assert (cpu_out / "world1" / "benchmark.json").is_file()
+    assert "| 1 | trjax/two | 1 / " in (cpu_out / "benchmark.md").read_text()
     assert "two-bucket / per-leaf at world 2" in r["ratios"]
     assert "two-bucket / per-leaf at world 2" in cpu_log
