@@ -1,4 +1,4 @@
-"""Default: CIFAR-style ResNet-8 on scikit-learn's digits, 8 (simulated) devices.
+"""Default: CIFAR-style ResNet-20 on scikit-learn's digits, 8 (simulated) devices.
 
 Run:    python scripts/train.py --config configs/default.py --workdir runs/default
 Reaches: val_top1 >= 0.97 on the 360 held-out digits in about a minute on a 2-core CPU
