@@ -2,7 +2,8 @@
 
 Modules, in the order data flows:
 
-* ``world`` -- devices, mesh, batch split; ``distributed`` -- several processes.
+* ``world`` -- devices, mesh, batch split; ``distributed`` -- several processes;
+  ``host`` -- the CPU backend (simulated devices, convolution library, memory).
 * ``input_pipeline`` (digits, batches, masks, the host->device boundary),
   ``datasets`` (CIFAR, MNIST, ImageFolder, augmentation, prefetch).
 * ``models`` / ``batchnorm`` -- ResNets with sync/running/local BatchNorm.
