@@ -404,11 +404,6 @@ def summarize(times: list[float], global_batch: int) -> dict:
 # the benchmark
 # --------------------------------------------------------------------------
 
-def _conv_library() -> str:
-    from trjax import host
-    return host.convolution_library()
-
-
 def world_sizes(a) -> list[int]:
     import jax
     n = len(jax.devices())
@@ -446,7 +441,7 @@ def benchmark(a) -> dict:
         "device_kind": jax.devices()[0].device_kind, "devices_available": ndev,
         "cpu_cores": os.cpu_count(), "jax": jax.__version__,
         "xla_flags": os.environ.get("XLA_FLAGS", ""), "python": platform.python_version(),
-        "cpu_convolutions": _conv_library(), "simulated_devices": ndev,
+        "cpu_convolutions": getattr(a, "host", {}).get("convolutions"), "simulated_devices": ndev,
         "reuse_host_memory": getattr(a, "host", {}).get("reuse_memory"),
         "loadavg_start": os.getloadavg(), "peak_tflops": a.peak_tflops,
         "data": "random normal float32 (not zeros)", "torch_skipped": torch_msg,
@@ -494,7 +489,7 @@ def benchmark(a) -> dict:
             if isinstance(variants[name], JaxVariant):
                 row["skipped_updates_seen"] = variants[name].skipped
                 row["simulated_devices"] = ndev
-                row["cpu_convolutions"] = meta["cpu_convolutions"] if a.device == "cpu" else None
+                row["cpu_convolutions"] = meta["cpu_convolutions"]
                 row["reuse_host_memory"] = meta["reuse_host_memory"]
             results.append(row)
         for v in variants.values():
@@ -843,13 +838,12 @@ def profile(a) -> dict:
     return out
 
 
-def per_world_processes(a, argv: list[str]) -> dict:
+def per_world_processes(a, argv: list[str], sizes: list[int]) -> dict:
     """CPU, ``--cpu_devices 0``: every world size N is measured by its own child
     process with exactly N simulated devices (the idle devices of a larger
     simulated host cost time; see docs/performance.md), then the results are
     merged into one JSON / table / plot. Variants of one world size stay
     interleaved inside their child."""
-    sizes = [8] if a.world_sizes == "all" else [int(w) for w in str(a.world_sizes).split(",")]
     os.makedirs(a.out, exist_ok=True)
     t0, load0 = time.perf_counter(), os.getloadavg()
     results, metas = [], []
@@ -879,11 +873,11 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if (a.device == "cpu" and not a.gpu and not a.serve and not a.profile
             and a.cpu_devices == 0):
-        sizes = [8] if a.world_sizes == "all" else str(a.world_sizes).split(",")
+        sizes = [8] if a.world_sizes == "all" else [int(w) for w in str(a.world_sizes).split(",")]
         if len(sizes) > 1:
-            per_world_processes(a, argv)
+            per_world_processes(a, argv, sizes)
             return 0
-        a.cpu_devices = int(sizes[0])
+        a.cpu_devices = sizes[0]
     if a.cpu_devices == 0:  # --profile / --serve children name their own counts
         a.cpu_devices = 8
     configure_environment(a)

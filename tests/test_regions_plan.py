@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from trjax import models, steps
-from trjax.plan import BUCKETS, METRICS
+from trjax.plan import BUCKETS, METRICS, resolve_kernel_order
 from trjax.regions import Region, assign_regions
 
 
@@ -152,8 +152,8 @@ def test_kernel_order_ihwo_lays_conv_gradients_out_transposed():
     assert per_leaf.kernel_order == "HWIO" and all(s.order is None for s in per_leaf.slots)
     with pytest.raises(ValueError, match=r"kernel_order='OIHW' is not one of"):
         steps.build_plan(model, (8, 8, 1), "two", "OIHW")
-    assert steps.resolve_kernel_order("auto", "cpu") == "IHWO"
-    assert steps.resolve_kernel_order("auto", "gpu") == "HWIO"
-    assert steps.resolve_kernel_order("HWIO", "cpu") == "HWIO"
+    assert resolve_kernel_order("auto", "cpu") == "IHWO"
+    assert resolve_kernel_order("auto", "gpu") == "HWIO"
+    assert resolve_kernel_order("HWIO", "cpu") == "HWIO"
     with pytest.raises(ValueError, match=r"bucket_kernel_order='ohwi'.*'auto'"):
-        steps.resolve_kernel_order("ohwi", "cpu")
+        resolve_kernel_order("ohwi", "cpu")

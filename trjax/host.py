@@ -46,7 +46,7 @@ import jax
 CPU_CONVOLUTIONS = ("auto", "eigen", "ynnpack")
 YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type"
 # jaxlib's default YNNPACK fusions, minus convolutions (they go to Eigen)
-EIGEN_CONV_FLAGS = (f"{YNN_FLAG}=-individual_convolution",)
+EIGEN_CONV_FLAG = f"{YNN_FLAG}=-individual_convolution"
 
 
 def available_cores() -> int:
@@ -117,8 +117,8 @@ def configure_cpu(cpu_devices: int, convolutions: str = "auto",
         docstring for when it pays).
 
     Returns:
-      ``{"convolutions": "eigen" | "ynnpack" | "XLA_FLAGS" (the user's own
-      flag), "reuse_memory": bool}``: what is in effect.
+      ``{"convolutions": convolution_library(), "reuse_memory": bool}``: what
+      is in effect.
 
     Raises:
       ValueError: a bad setting, or the backend is already running (the
@@ -134,12 +134,10 @@ def configure_cpu(cpu_devices: int, convolutions: str = "auto",
                          "call it before the first jax.devices() or computation")
     jax.config.update("jax_num_cpu_devices", int(cpu_devices))
     flags = os.environ.get("XLA_FLAGS", "")
-    if YNN_FLAG in flags:
-        library = "XLA_FLAGS"
+    if library == "eigen" and YNN_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {EIGEN_CONV_FLAG}".strip()
     reused = reuse_host_memory() if reuse_memory else False
-    if library == "eigen":
-        os.environ["XLA_FLAGS"] = " ".join([flags, *EIGEN_CONV_FLAGS]).strip()
-    return {"convolutions": library, "reuse_memory": reused}
+    return {"convolutions": convolution_library(), "reuse_memory": reused}
 
 
 def convolution_library() -> str:
@@ -147,6 +145,6 @@ def convolution_library() -> str:
     ``"eigen"``, ``"ynnpack"`` (jaxlib's default) or ``"XLA_FLAGS"`` (some
     other explicit YNNPACK fusion list)."""
     flags = os.environ.get("XLA_FLAGS", "")
-    if all(f in flags for f in EIGEN_CONV_FLAGS):
+    if EIGEN_CONV_FLAG in flags:
         return "eigen"
     return "XLA_FLAGS" if YNN_FLAG in flags else "ynnpack"

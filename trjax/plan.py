@@ -65,6 +65,23 @@ KERNEL_ORDERS = ("HWIO", "IHWO")
 """Axis orders a conv kernel gradient can take inside a bucket."""
 
 
+def resolve_kernel_order(setting: str, platform: str) -> str:
+    """``config.bucket_kernel_order`` for a backend: ``"auto"`` is ``"IHWO"`` on
+    ``cpu`` (the order of XLA:CPU's weight-gradient convolution output, so
+    packing a bucket is one copy instead of a transpose and a copy) and
+    ``"HWIO"`` elsewhere; other values pass through.
+
+    Raises:
+      ValueError: ``setting`` is not ``"auto"`` or one of ``plan.KERNEL_ORDERS``.
+    """
+    if setting == "auto":
+        return "IHWO" if platform == "cpu" else "HWIO"
+    if setting not in KERNEL_ORDERS:
+        raise ValueError(f"config.bucket_kernel_order={setting!r} is not one of "
+                         f"{('auto',) + KERNEL_ORDERS}")
+    return setting
+
+
 @dataclasses.dataclass(frozen=True)
 class Slot:
     """Where one leaf lives: ``buffer[bucket][offset : offset + size]``.

@@ -200,24 +200,6 @@ def build_plan(model: nn.Module, image_shape: tuple, policy: str = "two",
                      kernel_order=kernel_order)
 
 
-def resolve_kernel_order(setting: str, platform: str) -> str:
-    """``config.bucket_kernel_order`` for a backend: ``"auto"`` is ``"IHWO"`` on
-    ``cpu`` (the order of XLA:CPU's weight-gradient convolution output, so
-    packing a bucket is one copy instead of a transpose and a copy) and
-    ``"HWIO"`` elsewhere; other values pass through.
-
-    Raises:
-      ValueError: ``setting`` is not ``"auto"`` or one of ``plan.KERNEL_ORDERS``.
-    """
-    from trjax.plan import KERNEL_ORDERS
-    if setting == "auto":
-        return "IHWO" if platform == "cpu" else "HWIO"
-    if setting not in KERNEL_ORDERS:
-        raise ValueError(f"config.bucket_kernel_order={setting!r} is not one of "
-                         f"{('auto',) + KERNEL_ORDERS}")
-    return setting
-
-
 # --------------------------------------------------------------------------
 # the steps
 # --------------------------------------------------------------------------

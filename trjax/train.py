@@ -29,7 +29,7 @@ import numpy as np
 from trjax import (allreduce, checkpoint, compression, datasets, distributed, host,
                    input_pipeline, models, optim, steps)
 from trjax.batchnorm import BN_MODES
-from trjax.plan import KERNEL_ORDERS
+from trjax.plan import KERNEL_ORDERS, resolve_kernel_order
 from trjax.precision import INITIAL_LOSS_SCALE, PRECISIONS, compute_dtype
 from trjax.world import check_batch_split, host_value, make_world
 
@@ -142,7 +142,7 @@ def setup(config: ml_collections.ConfigDict,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
                                 dtype=dtype)
     plan = steps.build_plan(model, data.image_shape, config.buckets,
-                            steps.resolve_kernel_order(config.bucket_kernel_order,
+                            resolve_kernel_order(config.bucket_kernel_order,
                                                        world.devices[0].platform))
     compressor = None
     if config.compression != "none":
@@ -300,7 +300,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     expect = {k: config[k] for k in checkpoint.COMPATIBLE_FIELDS}
     if config.compression != "none" or config.shard_optimizer_state:
         # error feedback / sharded optimizer state are stored in bucket layout
-        expect["bucket_kernel_order"] = steps.resolve_kernel_order(
+        expect["bucket_kernel_order"] = resolve_kernel_order(
             config.bucket_kernel_order, jax.devices()[0].platform)
     if config.resume and os.path.isdir(ckpt_dir):  # incompatible: an error before compiling
         checkpoint.check_compatible(checkpoint.manager(ckpt_dir, config.keep_checkpoints), expect)
