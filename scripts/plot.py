@@ -3,13 +3,17 @@
   python scripts/plot.py runs/default [--out runs/default/curves.png]
 
 Reads ``DIR/metrics.jsonl`` (one JSON line per epoch, written by
-scripts/train.py) and writes a two-panel matplotlib figure.
+scripts/train.py; lines that do not parse, such as one cut off by a crash, are
+skipped with a warning) and writes a two-panel matplotlib figure.
 """
 
 import argparse
-import json
 import os
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from trjax.metrics_log import read_rows  # noqa: E402
 
 
 def main() -> int:
@@ -21,7 +25,8 @@ def main() -> int:
     if not os.path.isfile(path):
         sys.exit(f"error: {path} does not exist: expected the metrics.jsonl that "
                  "scripts/train.py --workdir DIR writes")
-    rows = [json.loads(line) for line in open(path) if line.strip()]
+    rows = read_rows(path, warn=lambda msg: print(f"warning: {msg}", file=sys.stderr))
+    rows = [r for r in rows if "epoch" in r and "val_top1" in r]  # epoch rows only
     if not rows:
         sys.exit(f"error: {path} is empty: no epoch has finished yet")
     import matplotlib
