@@ -108,3 +108,21 @@ def test_small_buckets_are_sent_exactly_under_compression():
     deep, first = tr.plan.bucket_elements["deep"], tr.plan.bucket_elements["first"]
     assert {"dtype": "bf16", "elements": deep - 4, "bytes": 2 * (deep - 4)} in ops
     assert {"dtype": "f32", "elements": first, "bytes": 4 * first} in ops  # 1.9% of |g|: exact
+
+
+def test_training_loop_makes_no_implicit_transfers():
+    """big_vision's rail (``jax_transfer_guard``) on the hot loop: every host<->device
+    copy of a train step, the metrics reader and a validation pass is explicit."""
+    import jax
+    from trjax import input_pipeline as ip
+    from trjax.train import MetricsReader
+    tr = setup(small_config(global_batch_size=32, eval_batch_size=64))
+    state, reader, world = tr.state, MetricsReader(1, False, False), tr.world
+    batches = ip.iterate_batches(tr.data.train, 32, shuffle=True, seed=0, epoch=1)
+    with jax.transfer_guard("disallow"):
+        for step in range(1, 4):
+            state, m = tr.train_step(state, ip.to_device(next(batches), world.sharded(),
+                                                         tr.data.num_classes, tr.dtype))
+            reader.push(step, m)
+        assert reader.take().count == 3 * 32
+        assert evaluate_pass(tr, state)["count"] == 360
