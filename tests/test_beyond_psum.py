@@ -123,7 +123,7 @@ def test_accumulation_equals_twice_the_replicas():
     assert len(out[2][2]) == len(out[1][2]) == 3  # one all-reduce per bucket (+ BN stats)
 
 
-def test_zero1_equals_replicated_optimizer_and_shards_its_state():
+def test_shard_optimizer_state_equals_replicated_optimizer_and_shards_it():
     batch = random_batch(32, seed=12)
     world, model, plan, _, state = setup("all", 32, "running")
     lr, wd = 0.1, 1e-3

@@ -12,8 +12,9 @@ from trjax import aot, comm, exchange, models, steps
 def _compiled_train(bn_mode="sync", world_spec="all", n=32):
     world, model, plan, tx, state = setup(world_spec, n, bn_mode)
     batch = random_batch(n, seed=7)
-    step = aot.compile_step("train", steps.make_train_step(model, exchange.allreduce(tx, plan), plan, world, bn_mode),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, bn_mode),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     return world, model, plan, state, batch, step
 
 

@@ -13,8 +13,9 @@ from trjax.state import check_replicas_identical
 def _run_one_step(world_spec, bn_mode, batch, opt="sgd"):
     world, model, plan, tx, state = setup(world_spec, len(batch["label"]), bn_mode, opt=opt)
     host0 = to_host(state)
-    step = aot.compile_step("train", steps.make_train_step(model, exchange.allreduce(tx, plan), plan, world, bn_mode),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, bn_mode),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     new_state, metrics = step(state, jax.device_put(batch, world.sharded()))
     return world, tx, host0, new_state, np.asarray(metrics)
 
@@ -39,8 +40,9 @@ def test_applied_gradient_is_global_mean():
     tx = optax.sgd(1.0)
     state = state.replace(opt_state=jax.jit(tx.init, out_shardings=world.replicated())(state.params))
     s0 = to_host(state)
-    step = aot.compile_step("train", steps.make_train_step(model, exchange.allreduce(tx, plan), plan, world, "sync"),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, "sync"),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     s1, _ = step(state, jax.device_put(batch, world.sharded()))
     applied = jax.tree_util.tree_map(lambda a, b: a - b, s0.params, to_host(s1.params))
     *_, grads_ref = reference_step("resnet8", s0.params, s0.batch_stats, s0.opt_state, tx, batch)
@@ -93,8 +95,9 @@ def test_replicas_start_identical_and_from_rank0():
 def test_compiled_step_rejects_other_shapes():
     batch = random_batch(32)
     world, model, plan, tx, state = setup("all", 32, "sync")
-    step = aot.compile_step("train", steps.make_train_step(model, exchange.allreduce(tx, plan), plan, world, "sync"),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, "sync"),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     small = jax.device_put(random_batch(16), world.sharded())
     with pytest.raises(TypeError, match=r"\['image'\] is \(16, 8, 8, 1\) float32 but the step was compiled for \(32, 8, 8, 1\)"):
         step(state, small)
@@ -108,8 +111,9 @@ def test_compiled_step_rejects_other_shapes():
 def test_compiled_step_rejects_other_sharding():
     batch = random_batch(32)
     world, model, plan, tx, state = setup("all", 32, "sync")
-    step = aot.compile_step("train", steps.make_train_step(model, exchange.allreduce(tx, plan), plan, world, "sync"),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, "sync"),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     replicated = jax.device_put(batch, world.replicated())
     with pytest.raises(TypeError, match=r"argument \[1\]\['image'\] has sharding .* but the step "
                                         r"was compiled for"):
@@ -139,8 +143,9 @@ def test_kernel_order_ihwo_equals_hwio_and_packs_without_transposes():
     out, producers = {}, {}
     for order in ("HWIO", "IHWO"):
         plan = build_plan(model, (8, 8, 1), "two", order)
-        step = aot.compile_step("train", steps.make_train_step(model, exchange.allreduce(tx, plan), plan, world, "running"),
-                                  state, jax.device_put(batch, world.sharded()))
+        step = aot.compile_step("train", steps.make_train_step(
+            model, exchange.allreduce(tx, plan), plan, world, "running"),
+            state, jax.device_put(batch, world.sharded()))
         out[order] = to_host(step(state, jax.device_put(batch, world.sharded())))
         producers[order] = _deep_bucket_producers(step.hlo_text())
     for a, b in zip(jax.tree_util.tree_leaves(out["HWIO"][0].params),

@@ -90,7 +90,7 @@ def test_comm_report_default_config():
     ("grad_accumulation_steps", 3, "config.grad_accumulation_steps=3 must divide the local batch 16"),
     ("allreduce", "butterfly", "config.allreduce='butterfly' is not one of"),
     ("topk_ratio", 0.0, "config.topk_ratio=0.0 must be in (0, 1]"),
-    ("shard_optimizer_state", True, "needs optimizer='sgd', compression='none' and allreduce='xla'"),
+    ("compression_min_fraction", 1.5, "config.compression_min_fraction=1.5 must be in [0, 1]"),
 ])
 def test_bad_config_fails_before_compiling(field, value, needle, monkeypatch):
     called = []
@@ -99,6 +99,19 @@ def test_bad_config_fails_before_compiling(field, value, needle, monkeypatch):
         setup(small_config(**{field: value}))
     assert needle in str(e.value)
     assert not called
+
+
+def test_config_combinations_are_checked_in_one_place():
+    from trjax.config import validate
+    validate(small_config(shard_optimizer_state=True))
+    with pytest.raises(ValueError, match="config.shard_optimizer_state=True .* needs optimizer='sgd', "
+                                         "compression='none' and allreduce='xla' .*'lars'"):
+        validate(small_config(shard_optimizer_state=True, optimizer="lars"))
+    with pytest.raises(ValueError, match="config.buckets='size:0' is not one of"):
+        validate(small_config(buckets="size:0"))
+    validate(small_config(grad_accumulation_steps=4), world_size=8)  # local batch 16
+    with pytest.raises(ValueError, match="grad_accumulation_steps=0 must be a positive int"):
+        validate(small_config(grad_accumulation_steps=0))
 
 
 def test_small_buckets_are_sent_exactly_under_compression():

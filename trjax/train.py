@@ -239,7 +239,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       data: optional in-memory :class:`trjax.input_pipeline.Dataset`.
 
     Returns:
-      ``(state, summary)``: the final :class:`trjax.steps.TrainState` and the
+      ``(state, summary)``: the final :class:`trjax.state.TrainState` and the
       summary dict (also written to ``summary.json`` by process 0).
 
     Raises:
