@@ -1,4 +1,5 @@
-"""Bucket policies, all-reduce algorithms, compression, accumulation and ZeRO-1 in the train step."""
+"""The gradient exchanges in the train step: bucket policies, all-reduce algorithms (hierarchical
+included), compression, accumulation and the sharded optimizer state (ZeRO-1)."""
 import jax
 import numpy as np
 import pytest
@@ -64,6 +65,20 @@ def test_hierarchical_allreduce_from_config_groups_by_local_size():
     assert ex.name == "allreduce:hierarchical" and not ex.check_vma
     with pytest.raises(ValueError, match="allreduce_local_size=3 must divide the world size 8"):
         prepare(small_config(allreduce="hierarchical", allreduce_local_size=3))
+
+
+@pytest.mark.parametrize("overrides,name,vma,keys", [
+    ({}, "allreduce:xla", True, {}),
+    ({"allreduce": "tree"}, "allreduce:tree", False, {}),
+    ({"compression": "powersgd"}, "compressed", False, {"bucket_kernel_order": "IHWO"}),
+    ({"shard_optimizer_state": True}, "shard_optimizer_state", False,
+     {"bucket_kernel_order": "IHWO"}),
+])
+def test_from_config_picks_one_strategy(overrides, name, vma, keys):
+    """One constructor per strategy; VMA typing and checkpoint keys come with it."""
+    from trjax.train import prepare
+    ex = prepare(small_config(**overrides)).exchange
+    assert (ex.name, ex.check_vma, ex.checkpoint_keys) == (name, vma, keys)
 
 
 def test_compression_bf16_halves_requested_bytes_and_stays_close(reference):
