@@ -33,13 +33,15 @@ def get_config() -> ml_collections.ConfigDict:
     # communication
     c.buckets = "two"              # "two" (seed), "tail_minimal", "size:<MB>", "per_leaf"
     c.bucket_kernel_order = "auto"  # conv grads in the buckets: "HWIO", "IHWO"; auto: IHWO on CPU
-    c.allreduce = "xla"            # "xla" (psum -> NCCL), "ring", "halving_doubling", "tree"
+    c.allreduce = "xla"            # "xla" (psum -> NCCL), "ring", "halving_doubling", "tree",
+    #                                "hierarchical" (within a node, then across nodes)
+    c.allreduce_local_size = 0     # hierarchical: devices per node (0: devices per process)
     c.compression = "none"         # "none", "bf16", "fp16", "powersgd", "topk"
     c.powersgd_rank = 2
     c.compression_start_step = 0   # all-reduce uncompressed before this step (PowerSGD warm-up)
     c.compression_min_fraction = 0.05  # buckets with a smaller share of |g| are sent exactly
     c.topk_ratio = 0.01
-    c.accumulation_steps = 1       # micro-batches per optimizer step (one all-reduce per step)
+    c.grad_accumulation_steps = 1  # micro-batches per optimizer step (one all-reduce per step)
     c.shard_optimizer_state = False  # ZeRO-1: reduce-scatter, 1/N optimizer state, all-gather
     c.precision = "fp32"           # "fp32", "bf16" (fp32 master weights), "fp16" (dynamic loss scale)
     c.loss_scale_growth_interval = 2000  # fp16: double the loss scale after this many good steps

@@ -29,11 +29,11 @@ def main(argv):
     import numpy as np
     config = flags.FLAGS.config
     jax.config.update("jax_num_cpu_devices", int(config.cpu_devices))
-    from trjax import input_pipeline, steps
+    from trjax import aot, input_pipeline, steps
     from trjax.train import setup
     tr = setup(config)
     w, state = tr.world, tr.state
-    unfolded = steps.compile_step("eval_unfolded", steps.make_eval_step(
+    unfolded = aot.compile_step("eval_unfolded", steps.make_eval_step(
         tr.model, w, config.bn_mode, folded=False), state.params, state.batch_stats,
         *tr.eval_step.signature[2:])
     batches = [input_pipeline.to_device(b, w.sharded(), tr.data.num_classes) for b in

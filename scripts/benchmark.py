@@ -35,7 +35,7 @@ batch over the median step time.
 Also reported per trjax variant: compile time of the train step, XLA's cost
 analysis (the flops of one device's program; times N for the step, the
 model-flops basis of GFLOP/s and MFU), compiled memory statistics with the
-state donated and (compiled again via ``trjax.steps.compile_step``) without
+state donated and (compiled again via ``trjax.aot.compile_step``) without
 donation, and the all-reduces of the compiled HLO (count, payload bytes, ring
 traffic per rank) against the ring model 2(N-1)/N*|g|.
 
@@ -212,7 +212,7 @@ class JaxVariant:
                  host_input: bool = False):
         import jax
         import numpy as np
-        from trjax import comm, input_pipeline, optim, steps, train
+        from trjax import aot, comm, input_pipeline, steps, train
         self.name, self.config, self.host_input = name, config, host_input
         t0 = time.perf_counter()
         self.tr = tr = train.setup(config, data)
@@ -240,7 +240,7 @@ class JaxVariant:
             "bytes_accessed_per_device": cost.get("bytes accessed", 0.0),
             "memory_donated": tr.train_step.memory(),
             "comm": {"collectives": len(cols), "all_reduces": len(ars),
-                     "plan_buckets": len(tr.plan.bucket_sizes),
+                     "plan_buckets": len(tr.plan.bucket_elements),
                      "payload_bytes": payload,
                      "ring_traffic_per_rank_bytes": sum(comm.ring_traffic_bytes(c["bytes"], n)
                                                         for c in ars),
@@ -248,17 +248,15 @@ class JaxVariant:
                      "ring_model_per_rank_bytes": comm.ring_traffic_bytes(g_bytes, n)},
         }
         if memory_compare:
-            # the same step function compiled again without donate_argnums (mirrors setup())
+            # the trainer's own step (its gradient exchange: compression, ZeRO-1, accumulation
+            # included) compiled again without donate_argnums, as setup() builds it
             c = config
-            tx = optim.make_optimizer(c.optimizer, tr.schedule, tr.plan,
-                                      momentum=c.momentum, weight_decay=c.weight_decay,
-                                      nesterov=c.nesterov, trust_coefficient=c.trust_coefficient)
-            fn = steps.make_train_step(tr.model, tx, tr.plan, tr.world, c.bn_mode,
+            fn = steps.make_train_step(tr.model, tr.exchange, tr.plan, tr.world, c.bn_mode,
                                        dynamic_loss_scale=c.precision == "fp16",
                                        growth_interval=c.loss_scale_growth_interval,
-                                       allreduce=c.allreduce)
-            nodonate = steps.compile_step("train_step_no_donation", fn,
-                                          *tr.train_step.signature)
+                                       grad_accumulation_steps=c.grad_accumulation_steps)
+            nodonate = aot.compile_step("train_step_no_donation", fn,
+                                        *tr.train_step.signature)
             self.info["memory_not_donated"] = nodonate.memory()
             self.info["compile_s_not_donated"] = nodonate.compile_s
             # same program apart from aliasing: the flops agree
@@ -269,7 +267,6 @@ class JaxVariant:
 
     def run(self, k: int) -> list[float]:
         jax = self._jax
-        from trjax.world import host_value
         times, m = [], None
         for i in range(k):
             t0 = time.perf_counter()
@@ -278,7 +275,7 @@ class JaxVariant:
             self.state, m = self.tr.train_step(self.state, b)
             jax.block_until_ready((self.state, m))
             times.append(time.perf_counter() - t0)
-        if m is not None and host_value(m)[4] == 0.0:
+        if m is not None and m.to_host().finite == 0.0:
             self.skipped += 1  # a skipped (non-finite) update costs the same compute
         return times
 

@@ -18,3 +18,5 @@ import tempfile  # noqa: E402
 jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="trjax-test-xla-cache-"))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# nanodo's rail: an implicit rank promotion (adding [n] to [m, n] by accident) is an error.
+jax.config.update("jax_numpy_rank_promotion", "raise")

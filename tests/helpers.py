@@ -1,20 +1,39 @@
-"""Shared test fixtures: a small model, a world and a random batch."""
+"""Shared test helpers: a small model, a world, a random batch, a short config."""
+import os
+import sys
+
 import jax
 import numpy as np
 import optax
 
-from trjax import models, optim, steps
+from trjax import exchange, models, optim
+from trjax.plan import build_plan
+from trjax.state import create_train_state
 from trjax.world import make_world
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+import default as default_config  # noqa: E402
+
 IMAGE_SHAPE = (8, 8, 1)
+
+
+def small_config(**overrides):
+    """The default config with ResNet-8 and 2 epochs, then ``overrides``."""
+    c = default_config.get_config()
+    c.model = "resnet8"
+    c.num_epochs = 2
+    for k, v in overrides.items():
+        c[k] = v
+    return c
 
 
 def setup(world_spec="all", global_batch=32, bn_mode="sync", lr=0.1, opt="sgd", model_name="resnet8"):
     world = make_world(world_spec, global_batch)
     model = models.create_model(model_name, num_classes=10, bn_mode=bn_mode, axis_name="data")
-    plan = steps.build_plan(model, IMAGE_SHAPE)
+    plan = build_plan(model, IMAGE_SHAPE)
     tx = optim.make_optimizer(opt, lr, plan, weight_decay=1e-3)
-    state = steps.create_train_state(jax.random.key(0), model, tx, world, IMAGE_SHAPE, bn_mode)
+    state = create_train_state(jax.random.key(0), model, exchange.allreduce(tx, plan), world,
+                               IMAGE_SHAPE, bn_mode)
     return world, model, plan, tx, state
 
 

@@ -5,8 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import max_rel, to_host
-from test_train import small_config
+from helpers import max_rel, small_config, to_host
 from trjax.train import train_and_evaluate
 
 
@@ -55,8 +54,8 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path, capsys):
 
 def test_incompatible_checkpoint_is_a_clear_error_before_compiling(tmp_path, monkeypatch):
     train_and_evaluate(small_config(num_epochs=1, halt_after_steps=2), str(tmp_path))
-    from trjax import steps
-    monkeypatch.setattr(steps, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    from trjax import aot
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
     with pytest.raises(ValueError, match=r"checkpoint .*2 is incompatible with this config: "
                                          r"model: checkpoint 'resnet8' vs config 'resnet20'"):
         train_and_evaluate(small_config(num_epochs=1, model="resnet20"), str(tmp_path))

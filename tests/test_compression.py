@@ -97,26 +97,23 @@ def test_fp16_prescale_avoids_overflow():
 
 # --------------------------------------------------------------------------- PowerSGD
 
-def test_powersgd_state_shapes_and_matrix_view():
-    assert C.powersgd_matrix_shape(50) == (8, 7)
-    assert C.powersgd_matrix_shape(64) == (8, 8)
-    assert C.powersgd_matrix_shape(1) == (1, 1)
-    st = C.powersgd(rank=2).init(jnp.zeros(50))
-    assert st["error"].shape == (50,) and st["error"].dtype == jnp.float32
-    assert st["q"].shape == (7, 2) and st["q"].dtype == jnp.float32
+def test_powersgd_state_shapes():
+    st = C.powersgd(rank=2, matrices=[(0, 8, 7)]).init(jnp.zeros(60))
+    assert st["error"].shape == (60,) and st["error"].dtype == jnp.float32
+    assert [q.shape for q in st["q"]] == [(7, 2)] and st["q"][0].dtype == jnp.float32
     assert not np.any(np.asarray(st["error"]))
-    with pytest.raises(ValueError, match="rank 8 exceeds.*7 columns"):
-        C.powersgd(rank=8).init(jnp.zeros(50))
+    # rank capped per matrix at min(rows, cols)
+    assert C.powersgd(rank=9, matrices=[(0, 8, 7)]).init(jnp.zeros(56))["q"][0].shape == (7, 7)
     with pytest.raises(ValueError, match="rank.*0"):
         C.powersgd(rank=0)
     with pytest.raises(ValueError, match=r"\(5, 10\)"):
-        C.powersgd().init(jnp.zeros((5, 10)))
+        C.powersgd(matrices=[(0, 5, 10)]).init(jnp.zeros((5, 10)))
 
 
 def test_powersgd_full_rank_reproduces_the_sum():
-    n = 50
+    n = 56
     g = grads(n, seed=2)
-    f, state = make_step(C.powersgd(rank=7), n)  # [8, 7]: rank 7 is full rank
+    f, state = make_step(C.powersgd(rank=7, matrices=[(0, 8, 7)]), n)  # rank 7 is full rank
     out, st = f(g.reshape(-1), state)
     out = np.asarray(out)
     assert_replicated(out)
@@ -125,16 +122,16 @@ def test_powersgd_full_rank_reproduces_the_sum():
     # the per-device errors are not zero, but they cancel over devices
     err = np.asarray(st["error"]).reshape(N, n)
     assert np.abs(err.sum(0)).max() < 1e-4
-    assert st["error"].shape == (N * n,) and st["q"].shape == (7, 7)
+    assert st["error"].shape == (N * n,) and st["q"][0].shape == (7, 7)
     # two all-reduces: P ([rows, r]) then Q ([cols, r])
     cols = comm.collectives_in_hlo(f.lower(g.reshape(-1), state).compile().as_text())
     assert [(c["kind"], c["elements"]) for c in cols] == [("all-reduce", 8 * 7), ("all-reduce", 7 * 7)]
 
 
 def test_powersgd_error_feedback_recovers_the_sum_over_steps():
-    n, steps = 50, 40
+    n, steps = 56, 40
     g = grads(n, seed=3)  # the same gradient every step
-    f, state = make_step(C.powersgd(rank=1), n)
+    f, state = make_step(C.powersgd(rank=1, matrices=[(0, 8, 7)]), n)
     true = g.sum(0).astype(np.float64)
     total = np.zeros(n)
     rel = []
@@ -149,7 +146,7 @@ def test_powersgd_error_feedback_recovers_the_sum_over_steps():
     np.testing.assert_allclose(total + held, steps * true, rtol=0, atol=1e-3)
     # so the running mean of the rank-1 outputs converges to the true sum
     assert rel[0] > 0.5 and rel[-1] < 0.2 and rel[-1] < rel[0] / 4
-    assert state["q"].shape == (7, 1)
+    assert state["q"][0].shape == (7, 1)
 
 
 # --------------------------------------------------------------------------- top-k
@@ -215,7 +212,7 @@ def test_bad_options_raise_naming_the_value():
         C.bf16().init(jnp.zeros((2, 3)))
 
 
-def test_powersgd_layers_full_rank_is_exact_and_vectors_exact():
+def test_powersgd_full_rank_is_exact_and_vectors_exact():
     import numpy as np
     from jax.sharding import Mesh, PartitionSpec as P
     from trjax import compression
@@ -225,7 +222,7 @@ def test_powersgd_layers_full_rank_is_exact_and_vectors_exact():
     # buffer: a 6x3 matrix at offset 2, vectors around it
     n = 2 + 18 + 5
     x = rng.normal(size=(n_dev, n)).astype(np.float32)
-    comp = compression.powersgd_layers(rank=3, matrices=[(2, 6, 3)])
+    comp = compression.powersgd(rank=3, matrices=[(2, 6, 3)])
     state = comp.init(jax.ShapeDtypeStruct((n,), jnp.float32))
 
     def f(b):
@@ -240,4 +237,4 @@ def test_powersgd_layers_full_rank_is_exact_and_vectors_exact():
     np.testing.assert_allclose(err[:, :2], 0.0)  # vectors are sent exactly: no error kept
     np.testing.assert_allclose(err.sum(0), 0.0, atol=1e-4)  # errors cancel at full rank
     with pytest.raises(ValueError, match="overlaps another or leaves the buffer"):
-        compression.powersgd_layers(2, [(20, 6, 3)]).init(jax.ShapeDtypeStruct((n,), jnp.float32))
+        compression.powersgd(2, [(20, 6, 3)]).init(jax.ShapeDtypeStruct((n,), jnp.float32))

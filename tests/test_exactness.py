@@ -4,10 +4,9 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import max_rel, random_batch, setup, to_host
-from test_train import small_config
+from helpers import max_rel, random_batch, setup, small_config, to_host
 from trjax import input_pipeline as ip
-from trjax import optim, steps
+from trjax import aot, exchange, optim, steps
 from trjax.precision import update_loss_scale
 from trjax.train import evaluate_pass, setup as setup_trainer, train_and_evaluate
 
@@ -54,9 +53,10 @@ def test_one_epoch_1000_examples_batch_96_same_on_1_and_8_devices(tmp_path):
 
 def test_inf_on_one_replica_skips_the_step_everywhere():
     world, model, plan, tx, state = setup("all", 32, "running")
-    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "running"),
-                              state, jax.device_put(random_batch(32), world.sharded()),
-                              donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, "running"),
+        state, jax.device_put(random_batch(32), world.sharded()),
+        donate_argnums=0)
     state, m = step(state, jax.device_put(random_batch(32, seed=1), world.sharded()))
     assert np.asarray(m)[4] == 1.0
     before = to_host(state)
@@ -119,8 +119,9 @@ def test_dynamic_loss_scale():
 def test_donation_aliases_and_reuse():
     world, model, plan, tx, state = setup("all", 32, "running")
     batch = jax.device_put(random_batch(32), world.sharded())
-    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "running"),
-                              state, batch, donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, "running"),
+        state, batch, donate_argnums=0)
     # the same array twice in the donated state: de-aliased, not corrupted
     aliased = state.replace(good_steps=state.skipped_steps)
     new, _ = step(aliased, batch)

@@ -7,8 +7,7 @@ import time
 
 import numpy as np
 
-from helpers import max_rel, to_host
-from test_train import small_config
+from helpers import max_rel, small_config, to_host
 from trjax import checkpoint
 from trjax.train import train_and_evaluate
 

@@ -3,8 +3,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from trjax import models, steps
-from trjax.plan import BUCKETS, METRICS, resolve_kernel_order
+from trjax import models
+from trjax.plan import BUCKETS, METRICS, build_plan, resolve_kernel_order
 from trjax.regions import Region, assign_regions
 
 
@@ -52,21 +52,22 @@ def test_first_conv_is_found_by_call_order_not_name():
 
 def test_plan_layout_and_roundtrip():
     model = models.create_model("resnet8", num_classes=10)
-    plan = steps.build_plan(model, (8, 8, 1))
+    plan = build_plan(model, (8, 8, 1))
     v = _variables(model, (8, 8, 1))
     sizes = {b: 0 for b in BUCKETS}
     for r in plan.regions:  # regions are contiguous and in seed order
         assert r.offset == sizes[r.bucket]
         sizes[r.bucket] += r.size
         assert r.nbytes == 4 * r.size
-    assert sizes == dict(plan.bucket_sizes)
+    assert sizes == dict(plan.bucket_elements)
     assert [r.region for r in plan.regions if r.bucket == "first"] == list(BUCKETS["first"])
-    assert plan.region(Region.RESULT).size == len(METRICS)
-    assert plan.region(Region.RESULT).offset + len(METRICS) == plan.bucket_sizes["deep"]
-    assert plan.metrics_slot == ("deep", plan.bucket_sizes["deep"] - len(METRICS))
+    [metrics_run] = [r for r in plan.regions if r.region == Region.METRICS]
+    assert (metrics_run.bucket, metrics_run.size) == ("deep", len(METRICS))
+    assert metrics_run.offset + len(METRICS) == plan.bucket_elements["deep"]
+    assert plan.metrics_slot == ("deep", plan.bucket_elements["deep"] - len(METRICS))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(v["params"]))
     assert plan.gradient_elements == n_params
-    assert sum(plan.bucket_sizes.values()) == n_params + len(METRICS)
+    assert sum(plan.bucket_elements.values()) == n_params + len(METRICS)
     # pack/unpack is the identity, each leaf lands at its slot
     rng = np.random.default_rng(0)
     grads = jax.tree_util.tree_map(lambda x: rng.normal(size=x.shape).astype(np.float32), v["params"])
@@ -80,18 +81,18 @@ def test_plan_layout_and_roundtrip():
     np.testing.assert_array_equal(bufs["first"][stem.offset:stem.offset + stem.size],
                                   grads["stem_conv"]["kernel"].ravel())
     # the plan is a pure function of the model: identical when rebuilt
-    assert steps.build_plan(model, (8, 8, 1)).describe() == plan.describe()
+    assert build_plan(model, (8, 8, 1)).describe() == plan.describe()
 
 
 @pytest.mark.parametrize("kernel_order", ["HWIO", "IHWO"])
 @pytest.mark.parametrize("policy", ["two", "tail_minimal", "size:0.1", "per_leaf"])
 def test_bucket_policies_cover_every_leaf_once(policy, kernel_order):
     model = models.create_model("resnet20", num_classes=10)
-    plan = steps.build_plan(model, (8, 8, 1), policy, kernel_order)
+    plan = build_plan(model, (8, 8, 1), policy, kernel_order)
     v = _variables(model, (8, 8, 1))
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(v["params"]))
-    assert sum(plan.bucket_sizes.values()) == n_params + len(METRICS)
-    covered = {b: np.zeros(n, int) for b, n in plan.bucket_sizes.items()}
+    assert sum(plan.bucket_elements.values()) == n_params + len(METRICS)
+    covered = {b: np.zeros(n, int) for b, n in plan.bucket_elements.items()}
     for s in plan.slots:
         covered[s.bucket][s.offset:s.offset + s.size] += 1
     b, o = plan.metrics_slot
@@ -106,27 +107,27 @@ def test_bucket_policies_cover_every_leaf_once(policy, kernel_order):
 
 def test_policy_layouts():
     model = models.create_model("resnet20", num_classes=10)
-    tail = steps.build_plan(model, (8, 8, 1), "tail_minimal")
+    tail = build_plan(model, (8, 8, 1), "tail_minimal")
     stem = [s.name for s in tail.slots if s.bucket == "stem"]
     assert sorted(stem) == ["params/stem_bn/bias", "params/stem_bn/scale", "params/stem_conv/kernel"]
     head_order = [s.name for s in sorted(tail.slots, key=lambda s: s.offset) if s.bucket == "head"]
     assert sorted(head_order[:2]) == ["params/head/bias", "params/head/kernel"]  # first in backward
-    sized = steps.build_plan(model, (8, 8, 1), "size:0.5")
-    sizes = [n * 4 for n in sized.bucket_sizes.values()]
+    sized = build_plan(model, (8, 8, 1), "size:0.5")
+    sizes = [n * 4 for n in sized.bucket_elements.values()]
     assert len(sizes) >= 2 and all(s <= 0.5 * 2 ** 20 + 4096 for s in sizes)
-    per_leaf = steps.build_plan(model, (8, 8, 1), "per_leaf")
-    assert len(per_leaf.bucket_sizes) == len(per_leaf.slots) + 1
+    per_leaf = build_plan(model, (8, 8, 1), "per_leaf")
+    assert len(per_leaf.bucket_elements) == len(per_leaf.slots) + 1
     with pytest.raises(ValueError, match=r"bucket policy 'size:x'"):
-        steps.build_plan(model, (8, 8, 1), "size:x")
+        build_plan(model, (8, 8, 1), "size:x")
     with pytest.raises(ValueError, match=r"bucket policy 'three' is not one of"):
-        steps.build_plan(model, (8, 8, 1), "three")
+        build_plan(model, (8, 8, 1), "three")
 
 
 def test_kernel_order_ihwo_lays_conv_gradients_out_transposed():
     model = models.create_model("resnet8", num_classes=10)
     v = _variables(model, (8, 8, 1))
-    hwio = steps.build_plan(model, (8, 8, 1))
-    ihwo = steps.build_plan(model, (8, 8, 1), "two", "IHWO")
+    hwio = build_plan(model, (8, 8, 1))
+    ihwo = build_plan(model, (8, 8, 1), "two", "IHWO")
     # same buckets, offsets and sizes: only the order inside a conv kernel's run changes
     assert [(s.bucket, s.offset, s.size) for s in ihwo.slots] == \
         [(s.bucket, s.offset, s.size) for s in hwio.slots]
@@ -148,10 +149,10 @@ def test_kernel_order_ihwo_lays_conv_gradients_out_transposed():
     assert all((a == b).all() for a, b in zip(jax.tree_util.tree_leaves(back),
                                             jax.tree_util.tree_leaves(grads)))
     # the per-leaf baseline keeps the parameters' own order
-    per_leaf = steps.build_plan(model, (8, 8, 1), "per_leaf", "IHWO")
+    per_leaf = build_plan(model, (8, 8, 1), "per_leaf", "IHWO")
     assert per_leaf.kernel_order == "HWIO" and all(s.order is None for s in per_leaf.slots)
     with pytest.raises(ValueError, match=r"kernel_order='OIHW' is not one of"):
-        steps.build_plan(model, (8, 8, 1), "two", "OIHW")
+        build_plan(model, (8, 8, 1), "two", "OIHW")
     assert resolve_kernel_order("auto", "cpu") == "IHWO"
     assert resolve_kernel_order("auto", "gpu") == "HWIO"
     assert resolve_kernel_order("HWIO", "cpu") == "HWIO"

@@ -6,14 +6,15 @@ import numpy as np
 import optax
 
 from helpers import random_batch, setup, to_host
-from trjax import comm, models, steps
+from trjax import aot, comm, exchange, models, steps
 
 
 def _compiled_train(bn_mode="sync", world_spec="all", n=32):
     world, model, plan, tx, state = setup(world_spec, n, bn_mode)
     batch = random_batch(n, seed=7)
-    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, bn_mode),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, bn_mode),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     return world, model, plan, state, batch, step
 
 
@@ -40,7 +41,7 @@ def test_no_standalone_bucket_scale_after_the_all_reduce():
     text = step.hlo_text()
     cols = comm.collectives_in_hlo(text)
     entry = comm.entry_lines(text)
-    for bucket, size in plan.bucket_sizes.items():
+    for bucket, size in plan.bucket_elements.items():
         ar = [c for c in cols if c["elements"] == size]
         assert len(ar) == 1, bucket
         # every instruction after the all-reduce that produces a whole bucket-sized
@@ -73,7 +74,7 @@ def test_folded_bn_eval_equals_unfolded():
 def test_eval_pass_has_one_all_reduce():
     from trjax.world import make_world
     w = make_world("all", 8)
-    red = steps.compile_step("eval_reduce", steps.make_eval_reduce(w),
+    red = aot.compile_step("eval_reduce", steps.make_eval_reduce(w),
                              jax.ShapeDtypeStruct((8, 4), np.float32, sharding=w.sharded()))
     cols = comm.collectives_in_hlo(red.hlo_text())
     assert [(c["kind"], c["elements"]) for c in cols] == [("all-reduce", 4)]

@@ -5,14 +5,17 @@ import numpy as np
 import pytest
 
 from helpers import max_rel, random_batch, reference_step, setup, to_host
-from trjax import steps
+from trjax import aot, exchange, steps
+from trjax.plan import build_plan
+from trjax.state import check_replicas_identical
 
 
 def _run_one_step(world_spec, bn_mode, batch, opt="sgd"):
     world, model, plan, tx, state = setup(world_spec, len(batch["label"]), bn_mode, opt=opt)
     host0 = to_host(state)
-    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, bn_mode),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, bn_mode),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     new_state, metrics = step(state, jax.device_put(batch, world.sharded()))
     return world, tx, host0, new_state, np.asarray(metrics)
 
@@ -37,8 +40,9 @@ def test_applied_gradient_is_global_mean():
     tx = optax.sgd(1.0)
     state = state.replace(opt_state=jax.jit(tx.init, out_shardings=world.replicated())(state.params))
     s0 = to_host(state)
-    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "sync"),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, "sync"),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     s1, _ = step(state, jax.device_put(batch, world.sharded()))
     applied = jax.tree_util.tree_map(lambda a, b: a - b, s0.params, to_host(s1.params))
     *_, grads_ref = reference_step("resnet8", s0.params, s0.batch_stats, s0.opt_state, tx, batch)
@@ -78,7 +82,7 @@ def test_local_mode_replicas_diverge():
 
 def test_replicas_start_identical_and_from_rank0():
     world, model, plan, tx, state = setup("all", 32, "sync")
-    steps.check_replicas_identical(state.params)
+    check_replicas_identical(state.params)
     # rank 0's init key is fold_in(key, 0): the broadcast must deliver exactly that init
     key0 = jax.random.fold_in(jax.random.key(0), 0)
     v = model.init(key0, jnp.zeros((1, 8, 8, 1)), train=False)
@@ -91,8 +95,9 @@ def test_replicas_start_identical_and_from_rank0():
 def test_compiled_step_rejects_other_shapes():
     batch = random_batch(32)
     world, model, plan, tx, state = setup("all", 32, "sync")
-    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "sync"),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, "sync"),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     small = jax.device_put(random_batch(16), world.sharded())
     with pytest.raises(TypeError, match=r"\['image'\] is \(16, 8, 8, 1\) float32 but the step was compiled for \(32, 8, 8, 1\)"):
         step(state, small)
@@ -106,8 +111,9 @@ def test_compiled_step_rejects_other_shapes():
 def test_compiled_step_rejects_other_sharding():
     batch = random_batch(32)
     world, model, plan, tx, state = setup("all", 32, "sync")
-    step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "sync"),
-                              state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, exchange.allreduce(tx, plan), plan, world, "sync"),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     replicated = jax.device_put(batch, world.replicated())
     with pytest.raises(TypeError, match=r"argument \[1\]\['image'\] has sharding .* but the step "
                                         r"was compiled for"):
@@ -136,9 +142,10 @@ def test_kernel_order_ihwo_equals_hwio_and_packs_without_transposes():
     world, model, _, tx, state = setup("all", 32, "running")
     out, producers = {}, {}
     for order in ("HWIO", "IHWO"):
-        plan = steps.build_plan(model, (8, 8, 1), "two", order)
-        step = steps.compile_step("train", steps.make_train_step(model, tx, plan, world, "running"),
-                                  state, jax.device_put(batch, world.sharded()))
+        plan = build_plan(model, (8, 8, 1), "two", order)
+        step = aot.compile_step("train", steps.make_train_step(
+            model, exchange.allreduce(tx, plan), plan, world, "running"),
+            state, jax.device_put(batch, world.sharded()))
         out[order] = to_host(step(state, jax.device_put(batch, world.sharded())))
         producers[order] = _deep_bucket_producers(step.hlo_text())
     for a, b in zip(jax.tree_util.tree_leaves(out["HWIO"][0].params),

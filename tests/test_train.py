@@ -6,20 +6,9 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "configs"))
-import default as default_config  # noqa: E402
-
-from trjax import steps  # noqa: E402
-from trjax.train import evaluate_pass, setup, train_and_evaluate  # noqa: E402
-
-
-def small_config(**overrides):
-    c = default_config.get_config()
-    c.model = "resnet8"
-    c.num_epochs = 2
-    for k, v in overrides.items():
-        c[k] = v
-    return c
+from helpers import default_config, small_config
+from trjax import aot
+from trjax.train import evaluate_pass, setup, train_and_evaluate
 
 
 def test_main_job_short(tmp_path):
@@ -75,7 +64,7 @@ def test_validation_metrics_identical_for_world_sizes_1_2_8():
 
 def test_comm_report_default_config():
     from trjax.report import comm_report
-    r = comm_report(default_config.get_config())
+    r = comm_report(setup(default_config.get_config()))
     assert r["gradient_all_reduces"] == 2
     assert r["bucket_elements_match_plan"]
     assert r["deep_before_first_conv_wgrad"]
@@ -97,20 +86,56 @@ def test_comm_report_default_config():
     ("eval_batch_size", 4, "global_batch_size 4 is smaller than world_size 8"),
     ("num_epochs", 0, "config.num_epochs=0 must be a positive int"),
     ("precision", "fp8", "config.precision='fp8' is not one of"),
+    ("buckets", "size:x", "config.buckets='size:x' is not one of"),
+    ("grad_accumulation_steps", 3, "config.grad_accumulation_steps=3 must divide the local batch 16"),
+    ("allreduce", "butterfly", "config.allreduce='butterfly' is not one of"),
+    ("topk_ratio", 0.0, "config.topk_ratio=0.0 must be in (0, 1]"),
+    ("compression_min_fraction", 1.5, "config.compression_min_fraction=1.5 must be in [0, 1]"),
 ])
 def test_bad_config_fails_before_compiling(field, value, needle, monkeypatch):
     called = []
-    monkeypatch.setattr(steps, "compile_step", lambda *a, **k: called.append(1))
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: called.append(1))
     with pytest.raises(ValueError) as e:
         setup(small_config(**{field: value}))
     assert needle in str(e.value)
     assert not called
 
 
+def test_config_combinations_are_checked_in_one_place():
+    from trjax.config import validate
+    validate(small_config(shard_optimizer_state=True))
+    with pytest.raises(ValueError, match="config.shard_optimizer_state=True .* needs optimizer='sgd', "
+                                         "compression='none' and allreduce='xla' .*'lars'"):
+        validate(small_config(shard_optimizer_state=True, optimizer="lars"))
+    with pytest.raises(ValueError, match="config.buckets='size:0' is not one of"):
+        validate(small_config(buckets="size:0"))
+    validate(small_config(grad_accumulation_steps=4), world_size=8)  # local batch 16
+    with pytest.raises(ValueError, match="grad_accumulation_steps=0 must be a positive int"):
+        validate(small_config(grad_accumulation_steps=0))
+
+
 def test_small_buckets_are_sent_exactly_under_compression():
     from trjax import comm
     tr = setup(small_config(compression="bf16"))
     ops = [o for c in comm.requested_collectives(tr.train_step.lowered_text) for o in c["operands"]]
-    deep, first = tr.plan.bucket_sizes["deep"], tr.plan.bucket_sizes["first"]
+    deep, first = tr.plan.bucket_elements["deep"], tr.plan.bucket_elements["first"]
     assert {"dtype": "bf16", "elements": deep - 4, "bytes": 2 * (deep - 4)} in ops
     assert {"dtype": "f32", "elements": first, "bytes": 4 * first} in ops  # 1.9% of |g|: exact
+
+
+def test_training_loop_makes_no_implicit_transfers():
+    """big_vision's rail (``jax_transfer_guard``) on the hot loop: every host<->device
+    copy of a train step, the metrics reader and a validation pass is explicit."""
+    import jax
+    from trjax import input_pipeline as ip
+    from trjax.train import MetricsReader
+    tr = setup(small_config(global_batch_size=32, eval_batch_size=64))
+    state, reader, world = tr.state, MetricsReader(1, False, False), tr.world
+    batches = ip.iterate_batches(tr.data.train, 32, shuffle=True, seed=0, epoch=1)
+    with jax.transfer_guard("disallow"):
+        for step in range(1, 4):
+            state, m = tr.train_step(state, ip.to_device(next(batches), world.sharded(),
+                                                         tr.data.num_classes, tr.dtype))
+            reader.push(step, m)
+        assert reader.take().count == 3 * 32
+        assert evaluate_pass(tr, state)["count"] == 360

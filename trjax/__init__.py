@@ -1,17 +1,22 @@
 """trjax: data-parallel training of ResNet-style CNNs in JAX.
 
-Modules, in the order data flows:
+Modules, in the order data flows (each imports only modules above it):
 
 * ``world`` -- devices, mesh, batch split; ``distributed`` -- several processes;
   ``host`` -- the CPU backend (simulated devices, convolution library, memory).
 * ``input_pipeline`` (digits, batches, masks, the host->device boundary),
   ``datasets`` (CIFAR, MNIST, ImageFolder, augmentation, prefetch).
 * ``models`` / ``batchnorm`` -- ResNets with sync/running/local BatchNorm.
-* ``regions`` -> ``plan`` (the MemoryPlan and bucket policies).
+* ``metrics`` (the per-step sums, ``StepMetrics``), ``regions`` -> ``plan``
+  (the MemoryPlan, bucket policies, the ZeRO-1 layout).
 * ``collectives`` (buckets, BN statistics, broadcast), ``allreduce`` (ring,
-  halving-doubling, tree, hierarchical), ``compression``.
-* ``optim``, ``precision`` -> ``steps`` (compiled train/eval steps) -> ``train``
-  (the loop), ``checkpoint``; ``comm`` / ``report`` read the compiled HLO.
+  halving-doubling, tree, hierarchical), ``compression``, ``optim``,
+  ``precision``.
+* ``exchange`` -- the gradient exchange (one strategy: all-reduce, compressed,
+  sharded optimizer state); ``state`` -- the TrainState.
+* ``steps`` (the per-device train/eval steps) -> ``aot`` (ahead-of-time
+  compiled steps); ``config`` (config files and validation) -> ``train`` (the
+  loop), ``checkpoint``; ``comm`` / ``report`` read the compiled HLO.
 """
 
 __version__ = "0.1.0"

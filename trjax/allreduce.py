@@ -15,11 +15,12 @@ axis (like ``lax.psum``, not the mean).
   in first and back out last.
 * :func:`tree_allreduce` -- binomial-tree reduce to rank 0 then binomial-tree
   broadcast, 2 ceil(log2 N) steps.
-* :func:`hierarchical_allreduce` -- on a ``node x local`` mesh: reduce-scatter
+* :func:`hierarchical_allreduce` -- ranks grouped into nodes: reduce-scatter
   within a node, all-reduce across nodes, all-gather within a node (Horovod's
-  hierarchical all-reduce; Mikami et al. 2018's 2D-torus all-reduce).
-* :data:`ALGORITHMS` / :func:`allreduce` -- dispatch by name (``"xla"`` is
-  plain ``lax.psum``); :func:`cost_model` -- the alpha-beta model of each.
+  hierarchical all-reduce; Mikami et al. 2018's 2D-torus all-reduce);
+  ``config.allreduce="hierarchical"`` (:mod:`trjax.exchange`).
+* :data:`ALGORITHMS` -- the flat algorithms by name (``"xla"`` is plain
+  ``lax.psum``); :func:`cost_model` -- the alpha-beta model of each.
 
 The world size ``N = lax.axis_size(axis_name)`` is a static Python int inside
 ``shard_map``, so every permutation is known at trace time. Every algorithm
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["ring_allreduce", "halving_doubling_allreduce", "tree_allreduce",
-           "hierarchical_allreduce", "xla_allreduce", "ALGORITHMS", "allreduce", "cost_model"]
+           "hierarchical_allreduce", "xla_allreduce", "ALGORITHMS", "cost_model"]
 
 
 # --------------------------------------------------------------------------- helpers
@@ -257,42 +258,48 @@ def tree_allreduce(x: jax.Array, axis_name) -> jax.Array:
     return acc
 
 
-def hierarchical_allreduce(x: jax.Array, local_axis, node_axis,
-                           node_algorithm: str = "xla") -> jax.Array:
-    """Two-level all-reduce over a ``node x local`` mesh.
+def hierarchical_allreduce(x: jax.Array, axis_name, local_size: int) -> jax.Array:
+    """Two-level all-reduce: ranks grouped into nodes of ``local_size`` consecutive ranks.
 
-    1. reduce-scatter over ``local_axis`` (``lax.psum_scatter``): each of the L
-       devices of a node gets the node's sum of one ``1/L`` slice;
-    2. all-reduce that slice over ``node_axis`` with ``node_algorithm`` (any
-       key of :data:`ALGORITHMS`): only ``n / L`` elements cross nodes;
-    3. all-gather over ``local_axis`` (``lax.all_gather``) rebuilds the buffer.
+    1. reduce-scatter within each node (``lax.psum_scatter`` over the node's
+       ranks): each of its L devices gets the node's sum of one ``1/L`` slice;
+    2. all-reduce that slice across nodes (``lax.psum`` over the ranks with
+       the same position in their node): only ``n / L`` elements cross nodes;
+    3. all-gather within each node (``lax.all_gather``) rebuilds the buffer.
 
     This is Horovod's hierarchical all-reduce (NCCL reduce-scatter, MPI
     all-reduce, NCCL all-gather; Sergeev & Del Balso 2018) and the 2D-torus
-    all-reduce of Mikami et al. 2018, with the fast intra-node links on
-    ``local_axis``. The buffer is zero-padded to a multiple of L and unpadded.
+    all-reduce of Mikami et al. 2018, with the fast intra-node links inside a
+    group (JAX numbers the devices of one process consecutively). The groups
+    are ``axis_index_groups`` of one mesh axis; the buffer is zero-padded to a
+    multiple of L and unpadded. Summation order: within the node first, then
+    across nodes.
 
     Args:
       x: per-device buffer, any shape and numeric dtype.
-      local_axis: the mesh axis of devices within a node (size L >= 1).
-      node_axis: the mesh axis across nodes (size M >= 1).
-      node_algorithm: the cross-node algorithm, a key of :data:`ALGORITHMS`.
+      axis_name: the (1-D) data axis, of size N.
+      local_size: L, devices per node; must divide N.
 
     Returns:
-      ``x.shape``, ``x.dtype``: the sum over both axes.
+      ``x.shape``, ``x.dtype``: the sum over the axis.
 
     Raises:
-      ValueError: unknown ``node_algorithm`` (naming it and the valid names).
+      ValueError: ``local_size`` not a divisor of N (naming both).
     """
-    _check_algorithm(node_algorithm)
-    n_local = lax.axis_size(local_axis)
-    if x.size == 0:
-        return x
-    chunks, n = _chunks(x, n_local)
-    flat = chunks.reshape(-1)
-    part = lax.psum_scatter(flat, local_axis, scatter_dimension=0, tiled=True)
-    part = ALGORITHMS[node_algorithm](part, node_axis)
-    full = lax.all_gather(part, local_axis, axis=0, tiled=True)
+    n_ranks = lax.axis_size(axis_name)
+    if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
+            or n_ranks % local_size:
+        raise ValueError(f"hierarchical all-reduce: local_size={local_size!r} must be an int "
+                         f">= 1 dividing the world size {n_ranks}")
+    if x.size == 0 or local_size == 1 or local_size == n_ranks:
+        return lax.psum(x, axis_name) if x.size else x
+    nodes = [list(range(s, s + local_size)) for s in range(0, n_ranks, local_size)]
+    peers = [list(range(i, n_ranks, local_size)) for i in range(local_size)]
+    chunks, n = _chunks(x, local_size)
+    part = lax.psum_scatter(chunks.reshape(-1), axis_name, scatter_dimension=0, tiled=True,
+                            axis_index_groups=nodes)
+    part = lax.psum(part, axis_name, axis_index_groups=peers)
+    full = lax.all_gather(part, axis_name, axis=0, tiled=True, axis_index_groups=nodes)
     return full[:n].reshape(x.shape)
 
 
@@ -309,22 +316,6 @@ def _check_algorithm(algorithm: str) -> None:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"unknown all-reduce algorithm {algorithm!r}; "
                          f"choose one of {sorted(ALGORITHMS)}")
-
-
-def allreduce(x: jax.Array, axis_name, algorithm: str = "xla") -> jax.Array:
-    """Sum of ``x`` over ``axis_name`` with the named algorithm.
-
-    Args:
-      x: per-device buffer.
-      axis_name: the mesh axis.
-      algorithm: a key of :data:`ALGORITHMS` (``"xla"``, ``"ring"``,
-        ``"halving_doubling"``, ``"tree"``).
-
-    Raises:
-      ValueError: unknown ``algorithm``, naming it and the valid names.
-    """
-    _check_algorithm(algorithm)
-    return ALGORITHMS[algorithm](x, axis_name)
 
 
 # --------------------------------------------------------------------------- cost model

@@ -64,6 +64,11 @@ def fold_batchnorm_tree(params, batch_stats, epsilon: float = 1e-5):
     return walk(params, batch_stats)
 
 
+def _per_channel(v, x):
+    """``[C]`` as ``[1, ..., 1, C]``, to broadcast against ``x [..., C]`` explicitly."""
+    return v.reshape((1,) * (x.ndim - 1) + v.shape)
+
+
 class BatchNorm(nn.Module):
     """BatchNorm over all axes but the last (NHWC), with a data-parallel mode.
 
@@ -99,7 +104,7 @@ class BatchNorm(nn.Module):
             # one per-channel affine, nothing else.
             a = self.get_variable("bn_folded", "scale").astype(self.dtype)
             b = self.get_variable("bn_folded", "bias").astype(self.dtype)
-            return (x * a + b).astype(self.dtype)
+            return (x * _per_channel(a, x) + _per_channel(b, x)).astype(self.dtype)
         scale = self.param("scale", nn.initializers.ones, (c,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (c,), jnp.float32)
         ra_mean = self.variable("batch_stats", "mean", lambda: jnp.zeros((c,), jnp.float32))
@@ -107,7 +112,8 @@ class BatchNorm(nn.Module):
 
         if not train:
             a, b = fold_batchnorm(scale, bias, ra_mean.value, ra_var.value, self.epsilon)
-            return (x * a.astype(self.dtype) + b.astype(self.dtype)).astype(self.dtype)
+            return (x * _per_channel(a.astype(self.dtype), x)
+                    + _per_channel(b.astype(self.dtype), x)).astype(self.dtype)
 
         xf = x.astype(jnp.float32)
         axes = tuple(range(x.ndim - 1))
@@ -149,7 +155,8 @@ class BatchNorm(nn.Module):
 
         a = scale * lax.rsqrt(var + self.epsilon)
         b = bias - mean * a
-        y = (x * a.astype(self.dtype) + b.astype(self.dtype)).astype(self.dtype)
+        y = (x * _per_channel(a.astype(self.dtype), x)
+             + _per_channel(b.astype(self.dtype), x)).astype(self.dtype)
         if m is not None:
             # Padding rows leave every BN as exact zeros: they cannot grow without
             # bound through layers normalised by other rows' (or no rows') statistics.

@@ -47,8 +47,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["Compressor", "none", "cast_compression", "bf16", "fp16", "powersgd", "powersgd_layers",
-           "powersgd_matrix_shape", "topk", "topk_k", "COMPRESSORS", "make_compressor"]
+__all__ = ["Compressor", "none", "cast_compression", "bf16", "fp16", "powersgd", "topk", "topk_k",
+           "COMPRESSORS", "make_compressor"]
 
 
 class Compressor(NamedTuple):
@@ -134,31 +134,26 @@ def fp16(prescale: bool = True) -> Compressor:
 
 # --------------------------------------------------------------------------- PowerSGD
 
-def powersgd_matrix_shape(n: int) -> tuple[int, int]:
-    """The ``[rows, cols]`` matrix a ``[n]`` buffer is viewed as by PowerSGD.
-
-    ``rows = ceil(sqrt(n))``, ``cols = ceil(n / rows)`` (so ``rows >= cols``
-    and ``rows * cols - n < rows`` zeros of padding): the near-square view of
-    the whole flattened bucket, as in PyTorch's ``batched_powerSGD_hook``
-    (rather than one matrix per parameter as in the paper).
-    """
-    if n < 1:
-        raise ValueError(f"PowerSGD needs a non-empty buffer, got n={n}")
-    rows = math.isqrt(n - 1) + 1
-    return rows, -(-n // rows)
-
-
-def powersgd_layers(rank: int = 2, matrices=(), seed: int = 0) -> Compressor:
-    """PowerSGD with one matrix per layer, as in the paper (Vogels et al. 2019, Alg. 1).
+def powersgd(rank: int = 2, matrices=(), seed: int = 0) -> Compressor:
+    """Rank-``rank`` PowerSGD, one matrix per layer (Vogels, Karimireddy & Jaggi 2019, Alg. 1).
 
     ``matrices`` lists ``(offset, rows, cols)`` views of the flat buffer (a
     conv kernel ``[kh, kw, in, out]`` is ``[kh * kw * in, out]``); every other
     element (BN scales and biases, dense biases: vectors, which the paper and
     PyTorch's ``powerSGD_hook`` also leave uncompressed) is summed exactly.
-    Each matrix gets rank ``min(rank, rows, cols)``. Still TWO all-reduces per
+    Each matrix gets rank ``min(rank, rows, cols)``. TWO all-reduces per
     buffer: all ``P`` factors plus the exact elements in the first, all ``Q``
-    factors in the second. Error feedback and warm-started ``Q`` as in
-    :func:`powersgd`.
+    factors in the second. Per matrix ``M = buffer + error`` (with the
+    state's ``Q``, ``[cols, r]``, identical on every device):
+
+    1. ``P = psum(M Q)``; 2. ``P^ = orthonormalise(P)`` (``jnp.linalg.qr``,
+    Householder; the paper uses Gram-Schmidt), the same bits on every device;
+    3. ``Q_i = M^T P^``, ``Q = psum(Q_i)``; 4. ``reduced = P^ Q^T``: the sum
+    projected on rank r, exact at full rank; 5. error feedback: ``error <- M -
+    P^ Q_i^T`` (this device's own part, the paper's ``Delta_w -
+    decompress(C(Delta_w))``; PyTorch subtracts the aggregate instead -- the
+    errors' sum over devices is the same); 6. warm start: the next step's
+    ``Q`` is this step's summed ``Q``. Matmuls run at ``Precision.HIGHEST``.
 
     Returns:
       A :class:`Compressor`; state ``{"error": [n], "q": (one [cols, r] per
@@ -226,78 +221,6 @@ def powersgd_layers(rank: int = 2, matrices=(), seed: int = 0) -> Compressor:
                 mi += 1
         reduced, mine = jnp.concatenate(reduced), jnp.concatenate(mine)
         return reduced.astype(buffer.dtype), {"error": m_flat - mine, "q": tuple(qs)}
-
-    return Compressor(init, allreduce)
-
-
-def powersgd(rank: int = 1, seed: int = 0) -> Compressor:
-    """Rank-``rank`` PowerSGD with error feedback (Vogels et al. 2019, Alg. 1-2).
-
-    With ``M = buffer + error`` viewed as ``[rows, cols]``
-    (:func:`powersgd_matrix_shape`, zero-padded) and the state's ``Q``
-    (``[cols, rank]``, identical on every device):
-
-    1. ``P = psum(M Q)``             -- all-reduce of ``rows * rank`` floats;
-    2. ``P^ = orthonormalise(P)``    -- ``jnp.linalg.qr`` (Householder; the paper
-       uses Gram-Schmidt), same bits on every device;
-    3. ``Q_i = M^T P^``, ``Q = psum(Q_i)`` -- all-reduce of ``cols * rank``;
-    4. ``reduced = P^ Q^T = P^ P^^T sum_i M_i``: the sum projected on rank
-       ``rank`` -- exact once ``rank = cols`` (full rank: ``P^`` spans the
-       sum's column space; each device's own ``M_i`` need not lie in it, so
-       the per-device errors of step 5 need not vanish, but they sum to 0);
-    5. error feedback: ``error <- M - P^ Q_i^T`` (this device's own part, the
-       paper's ``Delta_w - decompress(C(Delta_w))``; PyTorch subtracts the
-       aggregate instead -- the errors' sum over devices is the same);
-    6. warm start: the next step's ``Q`` is this step's summed ``Q``.
-
-    So the two all-reduces carry ``(rows + cols) * rank`` floats instead of
-    ``n``, about ``2 rank / sqrt(n)`` of the bytes. Matmuls run at
-    ``Precision.HIGHEST`` (no TF32 on GPU).
-
-    Args:
-      rank: the rank r, 1 <= r <= cols.
-      seed: PRNG seed for the initial ``Q`` (standard normal); identical on
-        every device, as the algorithm requires.
-
-    Returns:
-      A :class:`Compressor` with state ``{"error": [n] float32, "q": [cols,
-      rank] float32}``.
-
-    Raises:
-      ValueError: ``rank < 1`` at construction; ``rank > cols`` or a
-      non-flat buffer at ``init`` / ``allreduce`` (naming the values).
-    """
-    if int(rank) != rank or rank < 1:
-        raise ValueError(f"PowerSGD rank must be an int >= 1, got {rank!r}")
-    hi = lax.Precision.HIGHEST
-
-    def shape_for(buffer):
-        n = _check_flat(buffer)
-        rows, cols = powersgd_matrix_shape(n)
-        if rank > cols:
-            raise ValueError(f"PowerSGD rank {rank} exceeds the matrix's {cols} columns "
-                             f"(buffer of {n} viewed as [{rows}, {cols}]); use rank <= {cols}")
-        return n, rows, cols
-
-    def init(buffer):
-        n, _, cols = shape_for(buffer)
-        return {"error": jnp.zeros((n,), jnp.float32),
-                "q": jax.random.normal(jax.random.key(seed), (cols, rank), jnp.float32)}
-
-    def allreduce(buffer, state, axis_name):
-        n, rows, cols = shape_for(buffer)
-        if state["q"].shape != (cols, rank):
-            raise ValueError(f"PowerSGD state q has shape {state['q'].shape}, expected "
-                             f"{(cols, rank)} for a buffer of {n}")
-        m_flat = buffer.astype(jnp.float32) + state["error"]
-        m = jnp.pad(m_flat, (0, rows * cols - n)).reshape(rows, cols)
-        p = lax.psum(jnp.matmul(m, state["q"], precision=hi), axis_name)
-        p_hat, _ = jnp.linalg.qr(p, mode="reduced")
-        q_local = jnp.matmul(m.T, p_hat, precision=hi)
-        q = lax.psum(q_local, axis_name)
-        reduced = jnp.matmul(p_hat, q.T, precision=hi).reshape(-1)[:n]
-        mine = jnp.matmul(p_hat, q_local.T, precision=hi).reshape(-1)[:n]
-        return reduced.astype(buffer.dtype), {"error": m_flat - mine, "q": q}
 
     return Compressor(init, allreduce)
 
@@ -384,7 +307,7 @@ COMPRESSORS: dict[str, Callable[..., Compressor]] = {
 
 
 def make_compressor(name: str, **options) -> Compressor:
-    """The named compressor, e.g. ``make_compressor("powersgd", rank=4)``.
+    """The named compressor, e.g. ``make_compressor("powersgd", rank=4, matrices=[(0, 64, 32)])``.
 
     Raises:
       ValueError: unknown ``name``, naming it and the valid names.

@@ -1,8 +1,11 @@
-"""Command-line overrides checked before anything runs: unknown keys and wrong types.
+"""Config files and every check on a config, before anything is traced.
 
-``ml_collections``' own messages for ``--config.KEY=VALUE`` do not suggest the
-key you meant; :func:`check_overrides` does, and is called by the scripts
-before flag parsing.
+* :func:`load_config_file`, :func:`check_overrides` / :func:`check_argv`:
+  ``ml_collections``' own messages for ``--config.KEY=VALUE`` do not suggest
+  the key you meant; these do, and the scripts call them before flag parsing.
+* :func:`validate`: choices, ranges and combinations of the config's values
+  (and, given the world size, the batch splits); every message names the key,
+  the value and the valid choices.
 """
 
 from __future__ import annotations
@@ -12,6 +15,89 @@ import importlib.util
 import os
 
 import ml_collections
+
+from trjax import compression, host, input_pipeline, models, optim
+from trjax.batchnorm import BN_MODES
+from trjax.exchange import ALLREDUCE_CHOICES
+from trjax.plan import BUCKET_POLICIES, KERNEL_ORDERS
+from trjax.precision import PRECISIONS
+from trjax.world import check_batch_split
+
+CHOICES = {
+    "bn_mode": BN_MODES, "precision": tuple(PRECISIONS), "optimizer": optim.OPTIMIZERS,
+    "model": tuple(models.MODELS), "dataset": input_pipeline.DATASETS,
+    "train_remainder": input_pipeline.REMAINDERS, "allreduce": ALLREDUCE_CHOICES,
+    "compression": tuple(compression.COMPRESSORS),
+    "bucket_kernel_order": ("auto",) + KERNEL_ORDERS, "cpu_convolutions": host.CPU_CONVOLUTIONS,
+}
+"""Config keys with a fixed set of values."""
+POSITIVE_INTS = ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_lag",
+                 "grad_accumulation_steps", "powersgd_rank")
+NON_NEGATIVE_INTS = ("compression_start_step", "allreduce_local_size", "checkpoint_every_steps",
+                     "halt_after_steps")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -> None:
+    """Checks choices, ranges and combinations before anything is traced.
+
+    Args:
+      config: see ``configs/default.py``.
+      world_size: when known, also checks that the global, eval and
+        micro-batch splits divide (local batch / ``grad_accumulation_steps``)
+        and that ``allreduce_local_size`` divides the world.
+
+    Raises:
+      ValueError: naming the key, its value and the valid choices or range.
+    """
+    c = config
+    for key, valid in CHOICES.items():
+        if c[key] not in valid:
+            raise ValueError(f"config.{key}={c[key]!r} is not one of {sorted(valid)}")
+    policy = str(c.buckets)
+    size_ok = False
+    if policy.startswith("size:"):
+        try:
+            size_ok = float(policy[len("size:"):]) > 0
+        except ValueError:
+            pass
+    if policy not in BUCKET_POLICIES and not size_ok:
+        raise ValueError(f"config.buckets={c.buckets!r} is not one of "
+                         "'two', 'tail_minimal', 'size:<MB>' (a positive number, e.g. 'size:25'), "
+                         "'per_leaf'")
+    for key in POSITIVE_INTS:
+        if not _is_int(c[key]) or c[key] < 1:
+            raise ValueError(f"config.{key}={c[key]!r} must be a positive int")
+    for key in NON_NEGATIVE_INTS:
+        if not _is_int(c[key]) or c[key] < 0:
+            raise ValueError(f"config.{key}={c[key]!r} must be an int >= 0")
+    if not c.learning_rate > 0:
+        raise ValueError(f"config.learning_rate={c.learning_rate!r} must be > 0")
+    if not 0 < c.topk_ratio <= 1:
+        raise ValueError(f"config.topk_ratio={c.topk_ratio!r} must be in (0, 1]")
+    if not 0 <= c.compression_min_fraction <= 1:
+        raise ValueError(f"config.compression_min_fraction={c.compression_min_fraction!r} "
+                         "must be in [0, 1]")
+    if c.shard_optimizer_state and (c.optimizer != "sgd" or c.compression != "none"
+                                    or c.allreduce != "xla"):
+        raise ValueError("config.shard_optimizer_state=True (ZeRO-1) needs optimizer='sgd', "
+                         "compression='none' and allreduce='xla' (got "
+                         f"{c.optimizer!r}, {c.compression!r}, {c.allreduce!r})")
+    if world_size is None:
+        return
+    check_batch_split(c.global_batch_size, world_size)
+    check_batch_split(c.eval_batch_size, world_size)
+    local, k = c.global_batch_size // world_size, c.grad_accumulation_steps
+    if local % k:
+        raise ValueError(f"config.grad_accumulation_steps={k!r} must divide the local batch "
+                         f"{local} (global {c.global_batch_size} / world size {world_size})")
+    if c.allreduce == "hierarchical" and c.allreduce_local_size and \
+            world_size % c.allreduce_local_size:
+        raise ValueError(f"config.allreduce_local_size={c.allreduce_local_size!r} must divide "
+                         f"the world size {world_size} (devices per node; 0: per process)")
 
 
 def load_config_file(path: str) -> ml_collections.ConfigDict:

@@ -8,27 +8,25 @@ computation):
 
 * ``jax_num_cpu_devices``: the number of simulated devices.
 * the convolution library of XLA:CPU. By default jaxlib sends convolutions to
-  YNNPACK fusions. Measured on a 2-core host (``docs/performance.md``), Eigen's
-  convolutions are faster when every simulated device has a core of its own
-  (ResNet-18 at world 2 on 2 devices: 1.31x per step, world 1: 1.66x); the
-  YNNPACK convolutions win slightly when more devices than cores share them
-  (world 8 on 2 cores: Eigen 0.95x). YNNPACK keeps its other fusions
-  (reductions, dots) either way: with those in Eigen/LLVM too, the BN
-  reductions alone cost 0.7 s per step.
+  YNNPACK fusions. Eigen's convolutions are faster when every simulated device
+  has a core of its own; the YNNPACK convolutions win slightly when more
+  devices than cores share them. YNNPACK keeps its other fusions (reductions,
+  dots) either way: with those in Eigen/LLVM too, the BN reductions are slow.
 
 * host memory reuse (:func:`reuse_host_memory`). XLA:CPU allocates each
   execution's temporary buffer (hundreds of MB for a ResNet step) with
   ``malloc``. glibc serves such blocks with fresh ``mmap`` pages, also in the
   per-thread arenas the device threads use, and unmaps them on ``free``, so
-  every step page-faults its whole temp again: at world 8 of ResNet-18, 1.2 GB
-  of page faults and 0.5 s of kernel time per step. Keeping freed memory in
-  one heap makes later steps reuse the same pages (world 8: 1.35x per step).
-  The single heap has a cost, paid by every thread that allocates: Eigen's
-  multi-threaded convolutions (world 1: 0.90x, world 2: 0.95x), XLA's
-  compiler (train-step compile 5.2 -> 8.6 s) and small steps (the main job,
-  ResNet-20 on 8x8 digits at world 8: 0.47x). So it is off unless asked for:
-  turn it on for big models whose steps need temporaries of tens of MB per
-  device.
+  every step page-faults its whole temp again. Keeping freed memory in one
+  heap makes later steps reuse the same pages. The single heap has a cost,
+  paid by every thread that allocates: Eigen's multi-threaded convolutions,
+  XLA's compiler and small steps (the main job) get slower. So it is off
+  unless asked for: turn it on for big models whose steps need temporaries of
+  tens of MB per device.
+
+The measured figures (per step, side by side, on a 2-core host) are in
+``docs/performance.md``, sections 3 (Eigen convolutions) and 4 (host memory
+reuse).
 
 :func:`configure_cpu` applies all three. ``"auto"`` picks Eigen convolutions
 when ``cpu_devices`` is at most the number of cores this process may run on,

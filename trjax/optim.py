@@ -20,9 +20,8 @@ from __future__ import annotations
 import jax
 import optax
 
-from trjax.regions import Region
+from trjax.regions import KERNEL_REGIONS
 
-KERNEL_REGIONS = (Region.FIRST_CONV, Region.DEEP_CONV, Region.FC_WEIGHT)
 OPTIMIZERS = ("sgd", "lars")
 
 
@@ -35,30 +34,58 @@ def learning_rate_schedule(learning_rate: float, warmup_steps: int, total_steps:
 
 
 def kernel_mask(plan) -> object:
-    """Pytree of bools shaped like the params of ``plan``: True for conv/dense kernels."""
+    """Pytree of bools shaped like the params of ``plan``: True for conv/dense
+    kernels (:data:`trjax.regions.KERNEL_REGIONS`)."""
     flags = [s.region in KERNEL_REGIONS for s in plan.slots]
     return jax.tree_util.tree_unflatten(plan.params_treedef, flags)
 
 
-def make_optimizer(name: str, schedule, plan, *, momentum: float = 0.9,
+def add_decayed_weights(weight_decay: float, mask) -> optax.GradientTransformation:
+    """``g <- g + weight_decay * w`` where ``mask`` says, the one weight-decay rule.
+
+    Args:
+      weight_decay: the coefficient (L2 penalty ``wd/2 * ||w||^2``).
+      mask: a pytree of bools, one per leaf (``optax.add_decayed_weights``'
+        mask, e.g. :func:`kernel_mask`); or a callable ``params -> pytree of
+        float 0/1 arrays shaped like params``, one flag per element (flat
+        ZeRO-1 shards, where kernels and vectors share a buffer):
+        ``g + (weight_decay * mask) * w``.
+    """
+    if not callable(mask):
+        return optax.add_decayed_weights(weight_decay, mask=mask)
+
+    def update(updates, state, params):
+        decay = jax.tree_util.tree_map(lambda g, m, p: g + weight_decay * m * p,
+                                       updates, mask(params), params)
+        return decay, state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def make_optimizer(name: str, schedule, plan=None, *, mask=None, momentum: float = 0.9,
                    weight_decay: float = 5e-4, nesterov: bool = False,
                    trust_coefficient: float = 0.001) -> optax.GradientTransformation:
-    """Builds the optimizer ``name`` (one of ``OPTIMIZERS``) for the params of ``plan``.
+    """Builds the optimizer ``name`` (one of ``OPTIMIZERS``).
 
     Args:
       name: ``sgd`` or ``lars``.
       schedule: learning rate, a float or ``step -> float``.
       plan: the :class:`trjax.plan.MemoryPlan` (its regions say which leaves
         are kernels: weight decay and the LARS trust ratio apply to them only).
+      mask: instead of ``plan``: the decay mask of :func:`add_decayed_weights`
+        (``sgd`` only when it is a per-element callable).
 
     Raises:
-      ValueError: unknown optimizer name.
+      ValueError: unknown optimizer name, or LARS with a per-element mask.
     """
-    mask = kernel_mask(plan)
+    mask = kernel_mask(plan) if mask is None else mask
     if name == "sgd":
-        return optax.chain(optax.add_decayed_weights(weight_decay, mask=mask),
+        return optax.chain(add_decayed_weights(weight_decay, mask),
                            optax.sgd(schedule, momentum=momentum, nesterov=nesterov))
     if name == "lars":
+        if callable(mask):
+            raise ValueError("optimizer 'lars' needs whole kernels (a per-leaf mask); "
+                             "use optimizer='sgd' with shard_optimizer_state=True")
         return optax.lars(schedule, weight_decay=weight_decay, weight_decay_mask=mask,
                           trust_coefficient=trust_coefficient, trust_ratio_mask=mask,
                           momentum=momentum, nesterov=nesterov)

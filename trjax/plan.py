@@ -46,18 +46,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trjax.regions import Region, path_str
+from trjax.metrics import METRICS
+from trjax.regions import KERNEL_REGIONS, Region, assign_regions, path_str
 
 BUCKETS: dict[str, tuple[Region, ...]] = {
-    "deep": (Region.DEEP_CONV, Region.RESULT),
+    "deep": (Region.DEEP_CONV, Region.METRICS),
     "first": (Region.BN_BIAS, Region.BN_SCALE, Region.FC_BIAS, Region.FC_WEIGHT,
               Region.FIRST_CONV),
 }
 """The ``two`` policy: bucket name -> regions in buffer order, all-reduced in this order."""
 
 BUCKET_POLICIES = ("two", "tail_minimal", "size:<MB>", "per_leaf")
-METRICS = ("loss_sum", "top1_correct", "top5_correct", "count")
-"""The per-step sums carried in the RESULT region of a bucket."""
 _METRICS_NAME = "result/metrics"
 
 
@@ -129,7 +128,7 @@ class MemoryPlan:
       policy: the bucket policy that produced it.
       slots: one per parameter leaf, in the params tree's flatten order.
       regions: contiguous region runs with their bucket, offset and size.
-      bucket_sizes: ``{bucket: elements}`` in all-reduce order.
+      bucket_elements: ``{bucket: elements}`` in all-reduce order.
       metrics_slot: ``(bucket, offset)`` of the ``METRICS`` sums.
       stats_slots: ``{name: (offset, size, shape)}`` of the BN running
         statistics in the one buffer all-reduced in ``running`` mode.
@@ -141,7 +140,7 @@ class MemoryPlan:
     policy: str
     slots: tuple
     regions: tuple
-    bucket_sizes: Mapping[str, int]
+    bucket_elements: Mapping[str, int]
     metrics_slot: tuple
     stats_slots: Mapping[str, tuple]
     params_treedef: Any
@@ -152,14 +151,8 @@ class MemoryPlan:
 
     # -- layout queries ---------------------------------------------------
     def bucket_bytes(self, bucket: str) -> int:
-        return self.bucket_sizes[bucket] * np.dtype(self.dtype).itemsize
-
-    def region(self, region: Region) -> RegionInfo:
-        """The first run of ``region`` (the only one under the ``two`` policy)."""
-        for r in self.regions:
-            if r.region == region:
-                return r
-        raise KeyError(f"region {region.value!r} is empty in this plan")
+        """Bytes of ``bucket``'s buffer (its ``bucket_elements`` elements, in ``dtype``)."""
+        return self.bucket_elements[bucket] * np.dtype(self.dtype).itemsize
 
     @property
     def gradient_elements(self) -> int:
@@ -174,7 +167,7 @@ class MemoryPlan:
 
     def describe(self) -> dict:
         """A JSON-ready summary: policy, buckets, regions, memory statistics."""
-        regions_of = {b: [] for b in self.bucket_sizes}
+        regions_of = {b: [] for b in self.bucket_elements}
         for r in self.regions:
             if r.region.value not in regions_of[r.bucket]:
                 regions_of[r.bucket].append(r.region.value)
@@ -182,7 +175,7 @@ class MemoryPlan:
             "policy": self.policy,
             "kernel_order": self.kernel_order,
             "buckets": {b: {"elements": n, "bytes": self.bucket_bytes(b), "regions": regions_of[b]}
-                        for b, n in self.bucket_sizes.items()},
+                        for b, n in self.bucket_elements.items()},
             "regions": [{"region": r.region.value, "bucket": r.bucket, "offset": r.offset,
                          "elements": r.size, "bytes": r.nbytes} for r in self.regions],
             "metrics": {"bucket": self.metrics_slot[0], "offset": self.metrics_slot[1]},
@@ -200,17 +193,17 @@ class MemoryPlan:
           metrics: ``[len(METRICS)]`` float32.
 
         Returns:
-          ``{bucket: [bucket_sizes[bucket]]}``, in all-reduce order.
+          ``{bucket: [bucket_elements[bucket]]}``, in all-reduce order.
         """
         leaves = jax.tree_util.tree_leaves(grads)
-        pieces: dict[str, list] = {b: [] for b in self.bucket_sizes}
+        pieces: dict[str, list] = {b: [] for b in self.bucket_elements}
         items = [(s.bucket, s.offset, s.to_bucket(g).astype(self.dtype))
                  for s, g in zip(self.slots, leaves)]
         items.append((*self.metrics_slot, jnp.asarray(metrics, self.dtype).reshape(-1)))
         for bucket, _, x in sorted(items, key=lambda t: (t[0], t[1])):
             pieces[bucket].append(x)
         return {b: jnp.concatenate(pieces[b]) if len(pieces[b]) > 1 else pieces[b][0]
-                for b in self.bucket_sizes}
+                for b in self.bucket_elements}
 
     def unpack(self, buffers: Mapping[str, jax.Array]):
         """Inverse of :meth:`pack`: ``(grads pytree, metrics [len(METRICS)])``."""
@@ -260,7 +253,7 @@ def bucket_assignment(policy: str, regions: Mapping[str, Region], sizes: Mapping
         for bucket, rs in BUCKETS.items():
             members = []
             for r in rs:
-                members += [_METRICS_NAME] if r == Region.RESULT else \
+                members += [_METRICS_NAME] if r == Region.METRICS else \
                     [n for n in names if regions[n] == r]
             out.append((bucket, members))
         return out
@@ -327,12 +320,12 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
     sizes = {n: math.prod(s) for n, s in shapes.items()}
     itemsize = np.dtype(dtype).itemsize
     slot_of: dict[str, Slot] = {}
-    infos, bucket_sizes, metrics_slot = [], {}, None
+    infos, bucket_elements, metrics_slot = [], {}, None
     for bucket, members in bucket_assignment(policy, regions, sizes, itemsize):
         offset = 0
         for n in members:
             if n == _METRICS_NAME:
-                region, size = Region.RESULT, len(METRICS)
+                region, size = Region.METRICS, len(METRICS)
                 metrics_slot = (bucket, offset)
             else:
                 region, size = regions[n], sizes[n]
@@ -347,7 +340,7 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
             else:
                 infos.append(RegionInfo(region, bucket, offset, size, size * itemsize))
             offset += size
-        bucket_sizes[bucket] = offset
+        bucket_elements[bucket] = offset
     sflat, streedef = jax.tree_util.tree_flatten_with_path(batch_stats)
     stats_slots, off = {}, 0
     for p, x in sflat:
@@ -355,6 +348,45 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
         stats_slots["batch_stats/" + path_str(p)] = (off, n, tuple(x.shape))
         off += n
     return MemoryPlan(policy=policy, slots=tuple(slot_of[n] for n in names), regions=tuple(infos),
-                      bucket_sizes=bucket_sizes, metrics_slot=metrics_slot,
+                      bucket_elements=bucket_elements, metrics_slot=metrics_slot,
                       stats_slots=stats_slots, params_treedef=treedef, stats_treedef=streedef,
                       dtype=np.dtype(dtype).name, kernel_order=kernel_order)
+
+
+def build_plan(model, image_shape: tuple, policy: str = "two",
+               kernel_order: str = "HWIO") -> MemoryPlan:
+    """The MemoryPlan of ``model`` (a flax module) under a bucket ``policy``
+    and conv-kernel order, from abstract shapes only (no compute)."""
+    x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), jnp.float32)
+    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape), train=False))
+    regions = assign_regions(model, variables, x)
+    return make_plan(variables["params"], variables["batch_stats"], regions, policy=policy,
+                     kernel_order=kernel_order)
+
+
+def layer_matrices(plan: MemoryPlan, bucket: str) -> list[tuple[int, int, int]]:
+    """``(offset, rows, cols)`` of every conv/dense kernel in ``bucket``, offsets
+    counted with the metric sums taken out of the bucket (as the compressed
+    all-reduce sends them apart): the per-layer matrices of PowerSGD."""
+    mb, mo = plan.metrics_slot
+    out = []
+    for slot in plan.slots:
+        if slot.bucket == bucket and slot.region in KERNEL_REGIONS and len(slot.shape) >= 2:
+            off = slot.offset - (len(METRICS) if bucket == mb and slot.offset > mo else 0)
+            out.append((off, slot.size // slot.shape[-1], slot.shape[-1]))
+    return out
+
+
+def shard_layout(plan: MemoryPlan, world_size: int) -> dict[str, tuple[int, np.ndarray]]:
+    """The sharded-optimizer (ZeRO-1) layout: per bucket, the padded length
+    (``bucket_elements`` rounded up to a multiple of the world size) and a
+    float32 ``[padded]`` mask, 1.0 on kernel elements (:data:`KERNEL_REGIONS`:
+    where weight decay applies), 0.0 elsewhere and on padding."""
+    out = {}
+    for b, n in plan.bucket_elements.items():
+        mask = np.zeros(n + (-n) % world_size, np.float32)
+        for slot in plan.slots:
+            if slot.bucket == b and slot.region in KERNEL_REGIONS:
+                mask[slot.offset:slot.offset + slot.size] = 1.0
+        out[b] = (len(mask), mask)
+    return out

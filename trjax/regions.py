@@ -28,14 +28,14 @@ class Region(str, enum.Enum):
     BN_BIAS = "bn_bias"
     FC_WEIGHT = "fc_weight"
     FC_BIAS = "fc_bias"
-    RESULT = "result"  # per-step metric sums, packed after the deep convs
+    METRICS = "metrics"  # per-step metric sums (the seed's R_RESULT), packed after the deep convs
     RUNNING_MEAN = "running_mean"
     RUNNING_VAR = "running_var"
 
 
-GRADIENT_REGIONS = (Region.FIRST_CONV, Region.DEEP_CONV, Region.BN_SCALE, Region.BN_BIAS,
-                    Region.FC_WEIGHT, Region.FC_BIAS)
-STATS_REGIONS = (Region.RUNNING_MEAN, Region.RUNNING_VAR)
+KERNEL_REGIONS = (Region.FIRST_CONV, Region.DEEP_CONV, Region.FC_WEIGHT)
+"""Regions holding conv/dense kernels: weight decay and LARS apply there, and
+PowerSGD compresses them (one matrix per layer)."""
 
 
 def path_str(path) -> str:

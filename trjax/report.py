@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from trjax import comm
+from trjax import allreduce, comm
+from trjax.metrics import METRICS
 from trjax.regions import Region
 
 
-def comm_report(config) -> dict:
-    """Compiles the steps of ``config`` (see :func:`trjax.train.setup`) and
-    reports their collectives, the plan's buckets and the traffic model.
+def comm_report(tr) -> dict:
+    """The collectives of a built trainer's compiled steps, the plan's buckets
+    and the traffic model.
+
+    Args:
+      tr: a :class:`trjax.train.Trainer` from :func:`trjax.train.setup`.
 
     Returns:
       A JSON-ready dict: ``world_size``, ``bn_mode``, ``buckets``,
@@ -16,18 +20,16 @@ def comm_report(config) -> dict:
       ``gradient_all_reduces`` (count), ``deep_before_first_conv_wgrad``,
       ``traffic_per_rank_bytes`` (ring model).
     """
-    from trjax.train import setup
-    tr = setup(config)
-    plan, n = tr.plan, tr.world.world_size
+    config, plan, n = tr.config, tr.plan, tr.world.world_size
     names = {"deep": "bucket:deep (deep convs + metrics)",
              "first": "bucket:first (first conv + BN + FC)"}
     labels = {sum(s for _, s, _ in plan.stats_slots.values()): "bn:running statistics",
-              4: "metrics:sums"}
-    for b, size in plan.bucket_sizes.items():
+              len(METRICS): "metrics:sums"}
+    for b, size in plan.bucket_elements.items():
         labels[size] = names.get(b, f"bucket:{b}")
         labels.setdefault(-(-size // n), names.get(b, f"bucket:{b}") + " [1/N chunk]")
         if config.compression != "none" and b == plan.metrics_slot[0]:
-            labels.setdefault(size - 4, names.get(b, f"bucket:{b}") + " [compressed, metrics apart]")
+            labels.setdefault(size - len(METRICS), names.get(b, f"bucket:{b}") + " [compressed, metrics apart]")
     for _, size, shape in plan.stats_slots.values():
         labels.setdefault(2 * shape[0] + 1, "bn:sync batch statistics")
     out = {"world_size": n, "bn_mode": config.bn_mode, "model": config.model,
@@ -35,7 +37,7 @@ def comm_report(config) -> dict:
            "compression": config.compression,
            "buckets": {b: {"elements": e, "bytes": plan.bucket_bytes(b),
                            "ring_traffic_per_rank_bytes": comm.ring_traffic_bytes(plan.bucket_bytes(b), n)}
-                       for b, e in plan.bucket_sizes.items()}}
+                       for b, e in plan.bucket_elements.items()}}
     for step in tr.compiled:
         text = step.hlo_text()
         cols = comm.label_collectives(comm.collectives_in_hlo(text), labels)
@@ -50,20 +52,19 @@ def comm_report(config) -> dict:
             out["gradient_all_reduces"] = len(grads)
             first = plan.slots[[s.region for s in plan.slots].index(Region.FIRST_CONV)]
             wgrad = comm.conv_positions(text, first.shape)
-            first_bucket = labels[next(iter(plan.bucket_sizes.values()))]
+            first_bucket = labels[next(iter(plan.bucket_elements.values()))]
             deep = [c["position"] for c in grads if first_bucket in c["carries"]]
             out["first_conv_wgrad_positions"] = wgrad
             out["deep_before_first_conv_wgrad"] = bool(deep and wgrad and max(deep) < min(wgrad))
             out["bucket_elements_match_plan"] = sorted(c["elements"] for c in grads
                                                        if len(c["operands"]) == 1) == \
-                sorted(plan.bucket_sizes.values())
-    grad_bytes = sum(plan.bucket_bytes(b) for b in plan.bucket_sizes)
+                sorted(plan.bucket_elements.values())
+    grad_bytes = sum(plan.bucket_bytes(b) for b in plan.bucket_elements)
     out["traffic_per_rank_bytes"] = {"gradients": comm.ring_traffic_bytes(grad_bytes, n),
                                      "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes}
-    from trjax import allreduce
     out["cost_model"] = {
         alg: [{"bucket": b, **allreduce.cost_model(alg, plan.bucket_bytes(b), n)}
-              for b in plan.bucket_sizes]
+              for b in plan.bucket_elements]
         for alg in allreduce.ALGORITHMS}
     out["memory_plan"] = plan.describe()
     return out

@@ -26,12 +26,14 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import (allreduce, checkpoint, compression, datasets, distributed, host,
-                   input_pipeline, models, optim, steps)
-from trjax.batchnorm import BN_MODES
-from trjax.plan import KERNEL_ORDERS, resolve_kernel_order
-from trjax.precision import INITIAL_LOSS_SCALE, PRECISIONS, compute_dtype
-from trjax.world import check_batch_split, host_value, make_world
+from trjax import aot, checkpoint, datasets, distributed, host, input_pipeline, models, optim, steps
+from trjax import config as config_lib
+from trjax import exchange as exchange_lib
+from trjax.metrics import METRICS, StepMetrics
+from trjax.plan import build_plan, resolve_kernel_order
+from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
+from trjax.state import create_train_state
+from trjax.world import host_value, make_world
 
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
@@ -52,158 +54,109 @@ def count_backend_compiles():
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-    """Checks choices and ranges before anything is traced.
-
-    Raises:
-      ValueError: naming the field, its value and the valid choices.
-    """
-    choices = {"bn_mode": BN_MODES, "precision": tuple(PRECISIONS), "optimizer": optim.OPTIMIZERS, "model": tuple(models.MODELS),
-               "dataset": input_pipeline.DATASETS,
-               "train_remainder": input_pipeline.REMAINDERS,
-               "allreduce": tuple(allreduce.ALGORITHMS),
-               "compression": tuple(compression.COMPRESSORS),
-               "bucket_kernel_order": ("auto",) + KERNEL_ORDERS,
-               "cpu_convolutions": host.CPU_CONVOLUTIONS}
-    for field, valid in choices.items():
-        if config[field] not in valid:
-            raise ValueError(f"config.{field}={config[field]!r} is not one of {sorted(valid)}")
-    if not (config.buckets in ("two", "tail_minimal", "per_leaf") or
-            str(config.buckets).startswith("size:")):
-        raise ValueError(f"config.buckets={config.buckets!r} is not one of "
-                         "'two', 'tail_minimal', 'size:<MB>' (e.g. 'size:25'), 'per_leaf'")
-    for field in ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_lag"):
-        v = config[field]
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"config.{field}={v!r} must be a positive int")
-    if not config.learning_rate > 0:
-        raise ValueError(f"config.learning_rate={config.learning_rate!r} must be > 0")
-
-
-def _rates(sums: np.ndarray) -> dict:
-    loss, top1, top5, count = (float(v) for v in sums[:4])
-    count = max(count, 1.0)
-    return {"loss": loss / count, "top1": top1 / count, "top5": top5 / count}
-
-
 @dataclasses.dataclass
 class Trainer:
-    """Everything built before the first step: the output of :func:`setup`."""
+    """Everything built before the first step: the output of :func:`setup`.
+
+    ``state`` and the compiled steps are ``None`` in the output of
+    :func:`prepare` (nothing traced or placed on devices yet)."""
     config: Any
     world: Any
     data: Any
     model: Any
     plan: Any
     schedule: Any
-    state: Any
-    train_step: steps.CompiledStep
-    fold_bn: steps.CompiledStep
-    eval_step: steps.CompiledStep
-    eval_reduce: steps.CompiledStep
+    exchange: exchange_lib.GradientExchange
     steps_per_epoch: int
     dtype: Any
+    state: Any = None
+    train_step: aot.CompiledStep | None = None
+    fold_bn: aot.CompiledStep | None = None
+    eval_step: aot.CompiledStep | None = None
+    eval_reduce: aot.CompiledStep | None = None
 
     @property
     def compiled(self):
         return (self.train_step, self.fold_bn, self.eval_step, self.eval_reduce)
 
 
-def setup(config: ml_collections.ConfigDict,
-          data: input_pipeline.Dataset | None = None) -> Trainer:
-    """Config -> world -> data -> model and plan -> state -> compiled steps.
+def prepare(config: ml_collections.ConfigDict,
+            data: input_pipeline.Dataset | None = None) -> Trainer:
+    """Config -> world -> data -> model, plan, schedule and gradient exchange.
 
-    Every check on the config, the device spec and the batch split runs before
-    anything is traced. The three steps are compiled here, once, with the
-    train state donated; the plan then carries the train step's memory
-    statistics.
+    Every check on the config, the device spec and the batch split runs
+    first (:func:`trjax.config.validate`); nothing is traced, compiled or
+    placed on a device. :func:`setup` finishes the job.
+
+    Raises:
+      ValueError: an invalid config, device spec or batch split.
+    """
+    config_lib.validate(config)
+    world = make_world(config.devices, config.global_batch_size)
+    config_lib.validate(config, world.world_size)
+    if data is None:
+        data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size)
+    model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
+                                axis_name=world.axis_name, bn_momentum=config.bn_momentum,
+                                dtype=compute_dtype(config.precision))
+    plan = build_plan(model, data.image_shape, config.buckets,
+                      resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform))
+    train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
+                                                 config.train_remainder)
+    schedule = optim.learning_rate_schedule(config.learning_rate,
+                                            config.warmup_epochs * train_steps,
+                                            train_steps * config.num_epochs)
+    exchange = exchange_lib.from_config(config, plan, schedule, world)
+    return Trainer(config, world, data, model, plan, schedule, exchange, train_steps,
+                   compute_dtype(config.precision))
+
+
+def setup(config: ml_collections.ConfigDict,
+          data: input_pipeline.Dataset | None = None, prepared: Trainer | None = None) -> Trainer:
+    """:func:`prepare`, then the train state and the compiled steps.
+
+    The four steps are compiled here, once, with the train state donated;
+    the plan then carries the train step's memory statistics.
 
     Args:
       config: see ``configs/default.py``.
       data: a :class:`trjax.input_pipeline.Dataset` to use instead of
         ``config.dataset`` (arrays already in memory).
+      prepared: the output of :func:`prepare` for this config, if already built.
 
     Raises:
-      ValueError: an invalid config, device spec or batch split.
+      ValueError: an invalid config, device spec or batch split (before
+        anything is compiled).
     """
-    validate_config(config)
-    world = make_world(config.devices, config.global_batch_size)
-    check_batch_split(config.eval_batch_size, world.world_size)
-    k = config.accumulation_steps
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or world.local_batch_size % k:
-        raise ValueError(f"config.accumulation_steps={k!r} must be a positive int dividing the "
-                         f"local batch {world.local_batch_size} (global {world.global_batch_size}"
-                         f" / world size {world.world_size})")
-    if data is None:
-        data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size)
-
-    dtype = compute_dtype(config.precision)
+    tr = prepared if prepared is not None else prepare(config, data)
+    world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
     fp16 = config.precision == "fp16"
-    model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
-                                axis_name=world.axis_name, bn_momentum=config.bn_momentum,
-                                dtype=dtype)
-    plan = steps.build_plan(model, data.image_shape, config.buckets,
-                            resolve_kernel_order(config.bucket_kernel_order,
-                                                       world.devices[0].platform))
-    compressor = None
-    if config.compression != "none":
-        # Buckets below compression_min_fraction of the gradient bytes are all-reduced
-        # exactly: compressing them saves little, and under the `two` policy the small
-        # bucket holds the layers most sensitive to it (BN, FC, first conv).
-        def bucket_compressor(b):
-            if plan.bucket_bytes(b) < config.compression_min_fraction * plan.gradient_bytes:
-                return compression.none()
-            if config.compression == "powersgd":  # one matrix per layer, vectors exact
-                return compression.powersgd_layers(config.powersgd_rank,
-                                                   steps.layer_matrices(plan, b))
-            options = {"topk": {"ratio": config.topk_ratio}}.get(config.compression, {})
-            return compression.make_compressor(config.compression, **options)
-        compressor = {b: bucket_compressor(b) for b in plan.bucket_sizes}
-    train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
-                                                 config.train_remainder)
-    total_steps = train_steps * config.num_epochs
-    schedule = optim.learning_rate_schedule(config.learning_rate,
-                                            config.warmup_epochs * train_steps, total_steps)
-    zero1 = bool(config.shard_optimizer_state)
-    if zero1:
-        if config.optimizer != "sgd" or config.compression != "none" or config.allreduce != "xla":
-            raise ValueError("config.shard_optimizer_state=True (ZeRO-1) needs optimizer='sgd', "
-                             "compression='none' and allreduce='xla' (got "
-                             f"{config.optimizer!r}, {config.compression!r}, {config.allreduce!r})")
-        import optax  # elementwise momentum SGD on flat shards; decay applied by the step
-        tx = optax.sgd(schedule, momentum=config.momentum, nesterov=config.nesterov)
-    else:
-        tx = optim.make_optimizer(config.optimizer, schedule, plan, momentum=config.momentum,
-                                  weight_decay=config.weight_decay, nesterov=config.nesterov,
-                                  trust_coefficient=config.trust_coefficient)
-    state = steps.create_train_state(jax.random.key(config.seed), model, tx, world,
-                                     data.image_shape, config.bn_mode,
-                                     loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0,
-                                     plan=plan, compressor=compressor, zero1=zero1)
+    state = create_train_state(jax.random.key(config.seed), model, tr.exchange, world,
+                               data.image_shape, config.bn_mode,
+                               loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
 
     def example(n):
         return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape, dtype,
                                               sharding=world.sharded()),
                 "label": jax.ShapeDtypeStruct((n,), np.int32, sharding=world.sharded()),
                 "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
-    acc_shape = jax.ShapeDtypeStruct((world.world_size, 4), np.float32, sharding=world.sharded())
-    train_step = steps.compile_step(
-        "train_step", steps.make_train_step(model, tx, plan, world, config.bn_mode,
-                                            dynamic_loss_scale=fp16,
-                                            growth_interval=config.loss_scale_growth_interval,
-                                            allreduce=config.allreduce, compressor=compressor,
-                                            accumulation_steps=config.accumulation_steps,
-                                            zero1=zero1, weight_decay=config.weight_decay,
-                                            compression_start_step=config.compression_start_step),
+    acc_shape = jax.ShapeDtypeStruct((world.world_size, len(METRICS)), np.float32,
+                                     sharding=world.sharded())
+    train_step = aot.compile_step(
+        "train_step", steps.make_train_step(
+            model, tr.exchange, plan, world, config.bn_mode, dynamic_loss_scale=fp16,
+            growth_interval=config.loss_scale_growth_interval,
+            grad_accumulation_steps=config.grad_accumulation_steps),
         state, example(world.global_batch_size), donate_argnums=0)
-    fold_bn = steps.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state)
+    fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state)
     folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
-    eval_step = steps.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
-                                   state.params, folded, example(config.eval_batch_size),
-                                   acc_shape, donate_argnums=3)
-    eval_reduce = steps.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
-    plan = plan.with_memory(train_step.memory())
-    return Trainer(config, world, data, model, plan, schedule, state, train_step, fold_bn,
-                   eval_step, eval_reduce, train_steps, dtype)
+    eval_step = aot.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
+                                 state.params, folded, example(config.eval_batch_size),
+                                 acc_shape, donate_argnums=3)
+    eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
+    return dataclasses.replace(tr, plan=plan.with_memory(train_step.memory()), state=state,
+                               train_step=train_step, fold_bn=fold_bn, eval_step=eval_step,
+                               eval_reduce=eval_reduce)
 
 
 def evaluate_pass(tr: Trainer, state) -> dict:
@@ -215,7 +168,7 @@ def evaluate_pass(tr: Trainer, state) -> dict:
     """
     world = tr.world
     folded = tr.fold_bn(state)
-    acc = world.put(np.zeros((world.world_size, 4), np.float32), world.sharded())
+    acc = world.put(np.zeros((world.world_size, len(METRICS)), np.float32), world.sharded())
     rows = world.process_rows(tr.config.eval_batch_size)
     for batch in datasets.prefetch(input_pipeline.iterate_batches(
             tr.data.val, tr.config.eval_batch_size, shuffle=False, rows=rows,
@@ -223,7 +176,8 @@ def evaluate_pass(tr: Trainer, state) -> dict:
         acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
             batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
     sums = host_value(tr.eval_reduce(acc))
-    return {**_rates(sums), "count": int(sums[3]), "sums": sums.tolist()}
+    total = StepMetrics.from_sums(sums)
+    return {**total.rates(), "count": int(total.count), "sums": sums.tolist()}
 
 
 class MetricsReader:
@@ -238,7 +192,7 @@ class MetricsReader:
     def __init__(self, lag: int, halt: bool, fp16: bool, log=print):
         self.lag, self.halt, self.fp16, self.log = lag, halt, fp16, log
         self.pending: collections.deque = collections.deque()
-        self.sums = np.zeros(4)
+        self.sums = StepMetrics.zeros()
         self.skipped: list[int] = []
 
     def push(self, step: int, metrics) -> None:
@@ -248,9 +202,9 @@ class MetricsReader:
     def drain(self, limit: int = 0) -> None:
         while len(self.pending) > limit:
             step, m = self.pending.popleft()
-            m = host_value(m)
-            self.sums += m[:4]
-            if m[4] == 0.0:
+            m = m.to_host()
+            self.sums = self.sums.plus(m)
+            if m.finite == 0.0:
                 self.skipped.append(step)
                 msg = f"step {step}: non-finite gradient, update skipped on every replica"
                 if self.fp16:
@@ -261,7 +215,7 @@ class MetricsReader:
 
     def take(self) -> np.ndarray:
         self.drain(0)
-        sums, self.sums = self.sums, np.zeros(4)
+        sums, self.sums = self.sums, StepMetrics.zeros()
         return sums
 
 
@@ -285,7 +239,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       data: optional in-memory :class:`trjax.input_pipeline.Dataset`.
 
     Returns:
-      ``(state, summary)``: the final :class:`trjax.steps.TrainState` and the
+      ``(state, summary)``: the final :class:`trjax.state.TrainState` and the
       summary dict (also written to ``summary.json`` by process 0).
 
     Raises:
@@ -295,16 +249,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         ``config.halt_on_nonfinite``.
     """
     t_start = time.perf_counter()
-    validate_config(config)
+    prepared = prepare(config, data)
     ckpt_dir = os.path.join(workdir, "checkpoints")
-    expect = {k: config[k] for k in checkpoint.COMPATIBLE_FIELDS}
-    if config.compression != "none" or config.shard_optimizer_state:
-        # error feedback / sharded optimizer state are stored in bucket layout
-        expect["bucket_kernel_order"] = resolve_kernel_order(
-            config.bucket_kernel_order, jax.devices()[0].platform)
+    # the exchange names what its state's layout depends on (e.g. the kernel order)
+    expect = {**{k: config[k] for k in checkpoint.COMPATIBLE_FIELDS},
+              **prepared.exchange.checkpoint_keys}
     if config.resume and os.path.isdir(ckpt_dir):  # incompatible: an error before compiling
         checkpoint.check_compatible(checkpoint.manager(ckpt_dir, config.keep_checkpoints), expect)
-    tr = setup(config, data)
+    tr = setup(config, prepared=prepared)
     ckpt = checkpoint.manager(ckpt_dir, config.keep_checkpoints)  # only once the setup is valid
     world, data, plan, schedule, state = tr.world, tr.data, tr.plan, tr.schedule, tr.state
     train_step = tr.train_step
@@ -318,7 +270,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         f"global_batch={world.global_batch_size} local_batch={world.local_batch_size} "
         f"bn_mode={config.bn_mode} precision={config.precision}")
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
-                                for b, n in plan.bucket_sizes.items()) +
+                                for b, n in plan.bucket_elements.items()) +
         f"; compile {sum(c.compile_s for c in tr.compiled):.1f}s")
 
     # -- every process must run the same job from the same parameters ---------
@@ -383,9 +335,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                     reader.push(step_index, m)
                     watchdog.beat(step_index - config.metrics_lag)
                     bar.update(1)
-                    if bar.n % 10 == 0 and reader.sums[3]:
-                        bar.set_postfix(loss=f"{reader.sums[0] / reader.sums[3]:.4f}",
-                                        img_s=f"{reader.sums[3] / (time.perf_counter() - t0):.0f}")
+                    if bar.n % 10 == 0 and reader.sums.count:
+                        bar.set_postfix(loss=f"{reader.sums.rates()['loss']:.4f}",
+                                        img_s=f"{reader.sums.count / (time.perf_counter() - t0):.0f}")
                     if config.checkpoint_every_steps and step_index % config.checkpoint_every_steps == 0 \
                             and b < steps_per_epoch:
                         reader.drain(0)
@@ -396,7 +348,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             sums = reader.take()
             epoch_s = time.perf_counter() - t0
             train_time += epoch_s
-            train_images += int(sums[3])
+            train_images += int(sums.count)
             if halted:
                 save(epoch, b) if b < steps_per_epoch else save(epoch + 1, 0)
                 say(f"halted after step {step_index} (config.halt_after_steps); checkpoint saved")
@@ -405,9 +357,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             save(epoch + 1, 0)
             watchdog.beat(step_index)
             row = {"epoch": epoch, "step": step_index,
-                   **{f"train_{k}": v for k, v in _rates(sums).items()},
+                   **{f"train_{k}": v for k, v in sums.rates().items()},
                    **{f"val_{k}": val[k] for k in ("loss", "top1", "top5")},
-                   "images_per_s": sums[3] / epoch_s, "epoch_s": epoch_s,
+                   "images_per_s": sums.count / epoch_s, "epoch_s": epoch_s,
                    "lr": float(lr_table[step_index])}
             history.append(row)
             if lead:

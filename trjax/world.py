@@ -72,8 +72,11 @@ class World:
         devices of other processes). Default sharding: replicated.
         """
         x = np.asarray(x)
-        return jax.make_array_from_callback(x.shape, sharding or self.replicated(),
-                                            lambda idx: x[idx])
+        sharding = sharding or self.replicated()
+        # explicit copies, shard by shard (allowed under jax_transfer_guard="disallow")
+        shards = [jax.device_put(x[idx], d)
+                  for d, idx in sharding.addressable_devices_indices_map(x.shape).items()]
+        return jax.make_array_from_single_device_arrays(x.shape, sharding, shards)
 
     def replicated(self) -> NamedSharding:
         """Sharding of a value held whole and identical on every device."""
@@ -87,7 +90,8 @@ class World:
 def host_value(x) -> np.ndarray:
     """A replicated global array as numpy, read from this process's first shard
     (valid with many processes, where ``np.asarray`` of a global array is not)."""
-    return np.asarray(x.addressable_shards[0].data) if isinstance(x, jax.Array) else np.asarray(x)
+    return np.asarray(jax.device_get(x.addressable_shards[0].data)) if isinstance(x, jax.Array) \
+        else np.asarray(x)
 
 
 def parse_device_spec(spec: str | int, num_available: int) -> list[int]:

@@ -1,0 +1,164 @@
+"""The gradient exchanges in the train step: bucket policies, all-reduce algorithms (hierarchical
+included), compression, accumulation and the sharded optimizer state (ZeRO-1)."""
+import jax
+import numpy as np
+import pytest
+
+from helpers import max_rel, random_batch, setup, small_config, to_host
+from trjax import aot, comm, compression, exchange, optim, steps
+from trjax.plan import build_plan
+from trjax.state import create_train_state
+
+
+def _one_step(policy="two", allreduce="xla", compressor=None, bn_mode="running", local_size=None,
+              batches=1):
+    world, model, plan, tx, _ = setup("all", 32, bn_mode)
+    plan = build_plan(model, (8, 8, 1), policy)
+    ex = exchange.allreduce(tx, plan, allreduce, local_size) if compressor is None else \
+        exchange.compressed(tx, plan, compressor)
+    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), bn_mode)
+    batch = jax.device_put(random_batch(32, seed=5), world.sharded())
+    step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, bn_mode),
+                            state, batch, donate_argnums=0)
+    for i in range(batches):
+        state, m = step(state, jax.device_put(random_batch(32, seed=5 + i), world.sharded()))
+    return plan, step, to_host(state), np.asarray(m)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _one_step()
+
+
+@pytest.mark.parametrize("policy", ["tail_minimal", "size:0.05"])  # per_leaf: test_regions_plan
+def test_bucket_policies_give_the_same_step(reference, policy):
+    plan, step, new, m = _one_step(policy)
+    assert max_rel(new.params, reference[2].params) <= 1e-6
+    assert max_rel(new.opt_state, reference[2].opt_state) <= 1e-6
+    np.testing.assert_array_equal(new.batch_stats["stem_bn"]["mean"],
+                                  reference[2].batch_stats["stem_bn"]["mean"])
+    np.testing.assert_allclose(m, reference[3], rtol=1e-6)  # loss sum: summation order only
+    np.testing.assert_array_equal(m[1:], reference[3][1:])  # counts exact
+    # chained buckets stay one all-reduce each, in plan order
+    cols = comm.collectives_in_hlo(step.hlo_text())
+    bucket_cols = [c["elements"] for c in cols if c["elements"] in set(plan.bucket_elements.values())]
+    assert bucket_cols == list(plan.bucket_elements.values())
+    assert len(plan.bucket_elements) > 2 or policy == "tail_minimal"
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "tree", "hierarchical"])
+def test_allreduce_algorithms_in_the_step_equal_psum(reference, algorithm):
+    plan, step, new, m = _one_step(allreduce=algorithm, local_size=4)
+    assert max_rel(new.params, reference[2].params) <= 1e-5
+    assert max_rel(new.batch_stats, reference[2].batch_stats) <= 1e-5
+    np.testing.assert_array_equal(m[1:], reference[3][1:])
+    kinds = [c["kind"] for c in comm.collectives_in_hlo(step.hlo_text())]
+    if algorithm == "hierarchical":  # per bucket: within nodes, across nodes, within nodes
+        assert kinds.count("reduce-scatter") == kinds.count("all-gather") == 2
+    else:
+        assert "collective-permute" in kinds
+
+
+def test_hierarchical_allreduce_from_config_groups_by_local_size():
+    from trjax.train import prepare
+    ex = prepare(small_config(allreduce="hierarchical", allreduce_local_size=2)).exchange
+    assert ex.name == "allreduce:hierarchical" and not ex.check_vma
+    with pytest.raises(ValueError, match="allreduce_local_size=3 must divide the world size 8"):
+        prepare(small_config(allreduce="hierarchical", allreduce_local_size=3))
+
+
+@pytest.mark.parametrize("overrides,name,vma,keys", [
+    ({}, "allreduce:xla", True, {}),
+    ({"allreduce": "tree"}, "allreduce:tree", False, {}),
+    ({"compression": "powersgd"}, "compressed", False, {"bucket_kernel_order": "IHWO"}),
+    ({"shard_optimizer_state": True}, "shard_optimizer_state", False,
+     {"bucket_kernel_order": "IHWO"}),
+])
+def test_from_config_picks_one_strategy(overrides, name, vma, keys):
+    """One constructor per strategy; VMA typing and checkpoint keys come with it."""
+    from trjax.train import prepare
+    ex = prepare(small_config(**overrides)).exchange
+    assert (ex.name, ex.check_vma, ex.checkpoint_keys) == (name, vma, keys)
+
+
+def test_compression_bf16_halves_requested_bytes_and_stays_close(reference):
+    plan, step, new, m = _one_step(compressor=compression.make_compressor("bf16"))
+    ref_plan, ref_step, _, _ = reference
+    ops = lambda s: [o for c in comm.requested_collectives(s.lowered_text) for o in c["operands"]]
+    bucket_elems = set(ref_plan.bucket_elements.values())
+    ref_bytes = sum(o["bytes"] for o in ops(ref_step) if o["elements"] in bucket_elems)
+    assert ref_bytes == ref_plan.gradient_bytes + 16  # fp32 buckets (+ 4 metric sums)
+    bf16_bytes = sum(o["bytes"] for o in ops(step) if o["dtype"] == "bf16")
+    assert bf16_bytes == plan.gradient_elements * 2 == ref_plan.gradient_bytes // 2
+    np.testing.assert_array_equal(m, reference[3])  # metrics stay exact
+    assert max_rel(new.params, reference[2].params) <= 1e-2
+
+
+def test_compressor_state_is_carried():
+    """Step 2 sends top-k of (gradient + step 1's error): the state is read back."""
+    topk = compression.make_compressor("topk", ratio=0.05)
+    _, _, one, m = _one_step(compressor=topk)
+    err = one.comm_state["deep"]["error"]
+    assert err.shape[0] == 8 and np.abs(err).max() > 0  # error feedback, one row per replica
+    assert m[3] == 32
+    _, _, two, _ = _one_step(compressor=topk, batches=2)
+    # the same second step with the error zeroed: the sent update differs
+    world, model, plan, tx, _ = setup("all", 32, "running")
+    ex = exchange.compressed(tx, plan, topk)
+    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), "running")
+    step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, "running"),
+                            state, jax.device_put(random_batch(32, seed=5), world.sharded()),
+                            donate_argnums=0)
+    state, _ = step(state, jax.device_put(random_batch(32, seed=5), world.sharded()))
+    np.testing.assert_array_equal(to_host(state.comm_state)["deep"]["error"], err)
+    zeroed = state.replace(comm_state=jax.tree_util.tree_map(
+        lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), state.comm_state))
+    fresh, _ = step(zeroed, jax.device_put(random_batch(32, seed=6), world.sharded()))
+    assert max_rel(to_host(fresh.params), two.params) > 1e-6
+    # error feedback conserves the gradient: sent + kept = error_1 + new gradient
+    assert not np.array_equal(two.comm_state["deep"]["error"],
+                              to_host(fresh.comm_state)["deep"]["error"])
+
+
+def test_accumulation_equals_twice_the_replicas():
+    """k=2 micro-batches on 4 devices == one plain step on 8 devices (running BN)."""
+    batch = random_batch(32, seed=11)
+    out = {}
+    for spec, k in (("8", 1), ("4", 2)):
+        world, model, plan, tx, state = setup(spec, 32, "running")
+        step = aot.compile_step("train", steps.make_train_step(
+            model, exchange.allreduce(tx, plan), plan, world, "running",
+            grad_accumulation_steps=k),
+            state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+        new, m = step(state, jax.device_put(batch, world.sharded()))
+        out[k] = (to_host(new), np.asarray(m), comm.collectives_in_hlo(step.hlo_text()))
+    assert max_rel(out[2][0].params, out[1][0].params) <= 1e-5
+    assert max_rel(out[2][0].batch_stats, out[1][0].batch_stats) <= 1e-5
+    np.testing.assert_allclose(out[2][1], out[1][1], rtol=1e-5)
+    assert len(out[2][2]) == len(out[1][2]) == 3  # one all-reduce per bucket (+ BN stats)
+
+
+def test_shard_optimizer_state_equals_replicated_optimizer_and_shards_it():
+    batch = random_batch(32, seed=12)
+    world, model, plan, _, state = setup("all", 32, "running")
+    lr, wd = 0.1, 1e-3
+    results = {}
+    for sharded in (False, True):
+        make_tx = lambda mask: optim.make_optimizer("sgd", lr, plan, mask=mask, weight_decay=wd,
+                                                    momentum=0.9)
+        ex = exchange.shard_optimizer_state(plan, world.world_size, make_tx) if sharded else \
+            exchange.allreduce(make_tx(None), plan)
+        st = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), "running")
+        step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, "running"),
+                                st, jax.device_put(batch, world.sharded()), donate_argnums=0)
+        for i in range(3):  # momentum history matters
+            st, m = step(st, jax.device_put(random_batch(32, seed=20 + i), world.sharded()))
+        results[sharded] = (to_host(st.params), np.asarray(m), step)
+    assert max_rel(results[True][0], results[False][0]) <= 1e-5
+    np.testing.assert_allclose(results[True][1], results[False][1], rtol=1e-5)
+    kinds = [c["kind"] for c in comm.collectives_in_hlo(results[True][2].hlo_text())]
+    assert kinds.count("reduce-scatter") == 2 and "all-gather" in kinds
+    # the optimizer state per device is ~1/8: argument bytes shrink by ~7/8 of the momentum
+    mem = {z: results[z][2].memory()["argument"] for z in (False, True)}
+    momentum_bytes = plan.gradient_bytes
+    assert mem[False] - mem[True] >= 0.8 * momentum_bytes * 7 / 8

@@ -1,0 +1,296 @@
+"""The gradient exchange: how bucket gradients become new parameters.
+
+Everything a data-parallel strategy changes lives in one
+:class:`GradientExchange`, a NamedTuple of pure functions in the shape of
+``optax.GradientTransformation`` (and of :class:`trjax.compression.Compressor`;
+PyTorch DDP's comm hooks, ``hook(state, bucket)``, play the same role):
+
+* ``init(params, world) -> (opt_state, comm_state)``: global arrays laid out
+  as ``specs()`` says;
+* ``specs() -> (opt_specs, comm_specs)``: their ``shard_map`` partition specs;
+* ``update(buffers, params, opt_state, comm_state, step, loss_scale) ->
+  Update``: called per device inside the train step's ``shard_map`` with this
+  device's packed bucket buffers (gradient SUMS over its rows, the metric sums
+  in the plan's metrics slot); returns the new parameters and states, the
+  global metric sums, whether the reduced gradient is finite (the same on
+  every replica), and ``last``: the last collective's result, which the step
+  chains later collectives after (:func:`trjax.collectives.after`);
+* ``check_vma``: whether the step can be typed by ``shard_map``'s
+  varying-manual-axes check (``lax.psum`` results only);
+* ``checkpoint_keys``: config values a checkpoint of this state must match
+  (a state stored in bucket layout depends on the plan's kernel order).
+
+Constructors: :func:`allreduce` (``lax.psum`` or an algorithm of
+:mod:`trjax.allreduce`, hierarchical included), :func:`compressed` (a
+:class:`~trjax.compression.Compressor` per bucket, see :func:`exact_below`;
+uncompressed before a start step, as optax's ``conditionally_transform`` and
+PyTorch's ``start_powerSGD_iter``), :func:`shard_optimizer_state` (ZeRO-1).
+:func:`from_config` picks one. The mean is ``sum / global count``, applied
+once, inside the optimizer update (:func:`_apply_mean`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from trjax import allreduce as allreduce_lib
+from trjax import collectives, compression, optim
+from trjax.metrics import METRICS
+from trjax.plan import MemoryPlan, layer_matrices, shard_layout
+from trjax.world import DATA_AXIS, World
+
+ALLREDUCE_CHOICES = tuple(allreduce_lib.ALGORITHMS) + ("hierarchical",)
+"""``config.allreduce`` values: the algorithms of :mod:`trjax.allreduce` and
+``hierarchical`` (:func:`trjax.allreduce.hierarchical_allreduce`)."""
+_COUNT = METRICS.index("count")
+
+
+class Update(NamedTuple):
+    """What :attr:`GradientExchange.update` returns (per device)."""
+    params: Any
+    opt_state: Any
+    comm_state: Any
+    sums: jax.Array     # [len(METRICS)] float32, global
+    finite: jax.Array   # bool scalar, identical on every replica
+    last: jax.Array     # the last collective's result (ordering anchor)
+
+
+class GradientExchange(NamedTuple):
+    """A data-parallel strategy (see the module docstring)."""
+    name: str
+    init: Callable[[Any, World], tuple[Any, Any]]
+    specs: Callable[[], tuple[Any, Any]]
+    update: Callable[..., Update]
+    check_vma: bool
+    checkpoint_keys: dict
+
+
+def _inverse_count(count: jax.Array, loss_scale) -> jax.Array:
+    """``1 / max(count, 1)``, divided by the loss scale when there is one."""
+    inv = 1.0 / jnp.maximum(count, 1.0)
+    return inv if loss_scale is None else inv / loss_scale
+
+
+def _apply_mean(tx, plan: MemoryPlan, reduced, params, opt_state, loss_scale):
+    """The tail of every replicated-optimizer exchange: unpack the reduced
+    buckets, scale the sums to the mean over the global count, update.
+    Every replica sees the same reduced values, so ``finite`` agrees without
+    another collective."""
+    grads, sums = plan.unpack(reduced)
+    finite = jnp.isfinite(sum(jnp.sum(b) for b in reduced.values()))
+    inv_count = _inverse_count(sums[_COUNT], loss_scale)
+    grads = jax.tree_util.tree_map(lambda g: g * inv_count, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, sums, finite
+
+
+def _replicated(name, tx, plan, reduce, check_vma, init_comm, checkpoint_keys):
+    """An exchange with the optimizer state replicated: ``reduce(buffers,
+    comm_state, step) -> ({bucket: sum}, comm_state)`` then :func:`_apply_mean`."""
+
+    def init(params, world):
+        return jax.jit(tx.init, out_shardings=world.replicated())(params), init_comm(world)
+
+    def update(buffers, params, opt_state, comm_state, step, loss_scale):
+        reduced, comm_state = reduce(buffers, comm_state, step)
+        params, opt_state, sums, finite = _apply_mean(tx, plan, reduced, params, opt_state,
+                                                      loss_scale)
+        return Update(params, opt_state, comm_state, sums, finite, list(reduced.values())[-1])
+
+    return GradientExchange(name, init, lambda: (P(), P(DATA_AXIS)), update, check_vma,
+                            checkpoint_keys)
+
+
+def allreduce(tx: optax.GradientTransformation, plan: MemoryPlan, algorithm: str = "xla",
+              local_size: int | None = None) -> GradientExchange:
+    """One all-reduce per bucket, in plan order, then ``tx`` on the mean.
+
+    Args:
+      tx: the optimizer, on the params tree.
+      plan: the buckets (``per_leaf`` buckets are not chained, so XLA may
+        merge them, as a plain flax step's ``pmean`` would).
+      algorithm: one of :data:`ALLREDUCE_CHOICES`: ``xla`` (``lax.psum``,
+        NCCL on GPUs; the only VMA-typed one), ``ring``, ``halving_doubling``,
+        ``tree`` (:mod:`trjax.allreduce`) or ``hierarchical`` (groups of
+        ``local_size`` consecutive ranks; :func:`trjax.allreduce.hierarchical_allreduce`).
+      local_size: devices per node for ``hierarchical``.
+
+    Raises:
+      ValueError: an unknown algorithm, or ``hierarchical`` without a
+        ``local_size`` >= 1.
+    """
+    if algorithm not in ALLREDUCE_CHOICES:
+        raise ValueError(f"allreduce={algorithm!r} is not one of {ALLREDUCE_CHOICES}")
+    if algorithm == "hierarchical":
+        if not local_size or local_size < 1:
+            raise ValueError(f"allreduce='hierarchical' needs local_size >= 1, got {local_size!r}")
+        reduce_fn = functools.partial(allreduce_lib.hierarchical_allreduce, local_size=local_size)
+    else:
+        reduce_fn = None if algorithm == "xla" else allreduce_lib.ALGORITHMS[algorithm]
+    chain = plan.policy != "per_leaf"
+
+    def reduce(buffers, comm_state, step):
+        return collectives.allreduce_buckets(buffers, DATA_AXIS, chain=chain,
+                                             reduce_fn=reduce_fn), comm_state
+
+    return _replicated(f"allreduce:{algorithm}", tx, plan, reduce, algorithm == "xla",
+                       lambda world: {}, {})
+
+
+def exact_below(plan: MemoryPlan, make: Callable[[str], compression.Compressor],
+                min_fraction: float) -> dict[str, compression.Compressor]:
+    """``{bucket: Compressor}``: ``make(bucket)``, except buckets holding less
+    than ``min_fraction`` of the gradient bytes, which are all-reduced exactly
+    (``compression.none()``): compressing them saves little, and under the
+    ``two`` policy the small bucket holds the layers most sensitive to it (BN,
+    FC, first conv)."""
+    return {b: compression.none() if plan.bucket_bytes(b) < min_fraction * plan.gradient_bytes
+            else make(b) for b in plan.bucket_elements}
+
+
+def compressed(tx: optax.GradientTransformation, plan: MemoryPlan, compressors,
+               start_step: int = 0) -> GradientExchange:
+    """Each bucket all-reduced through its :class:`~trjax.compression.Compressor`.
+
+    The metric sums leave their bucket and travel in one small exact
+    ``lax.psum`` (they must stay exact). Before ``start_step`` the buckets are
+    all-reduced uncompressed (``lax.cond``; PyTorch's ``start_powerSGD_iter``),
+    the compressor state untouched. The comm state is each compressor's state
+    per bucket, one row per replica (error feedback is per device). Not
+    VMA-typed: the results are replicated in value but typed per device.
+
+    Args:
+      compressors: one compressor for every bucket, or ``{bucket: compressor}``
+        (:func:`exact_below`).
+    """
+    per_bucket = compressors if isinstance(compressors, dict) else \
+        {b: compressors for b in plan.bucket_elements}
+    mbucket, moff = plan.metrics_slot
+    nm = len(METRICS)
+
+    def init_comm(world):
+        n = world.world_size
+        rows = lambda x: world.put(np.broadcast_to(np.asarray(x), (n,) + x.shape), world.sharded())
+        return {b: jax.tree_util.tree_map(rows, per_bucket[b].init(jax.ShapeDtypeStruct(
+            (size - (nm if b == mbucket else 0),), jnp.float32)))
+            for b, size in plan.bucket_elements.items()}
+
+    def reduce(buffers, comm_state, step):
+        reduced, new_comm, previous = {}, {}, None
+        for b, x in buffers.items():
+            if previous is not None:
+                x = collectives.after(x, previous)
+            st = jax.tree_util.tree_map(lambda v: v[0], comm_state[b])
+            compress = per_bucket[b].allreduce
+            if start_step > 0:
+                compress = lambda g, st, ax, f=compress: lax.cond(
+                    step < start_step, lambda g, st: (lax.psum(g, ax), st),
+                    lambda g, st: f(g, st, ax), g, st)
+            if b == mbucket:  # metrics leave the bucket: they must stay exact
+                m = lax.psum(x[moff:moff + nm], DATA_AXIS)
+                g, st = compress(jnp.concatenate([x[:moff], x[moff + nm:]]), st, DATA_AXIS)
+                x = jnp.concatenate([g[:moff], m, g[moff:]])
+            else:
+                x, st = compress(x, st, DATA_AXIS)
+            reduced[b] = previous = x
+            new_comm[b] = jax.tree_util.tree_map(lambda v: v[None], st)
+        return reduced, new_comm
+
+    return _replicated("compressed", tx, plan, reduce, False, init_comm,
+                       {"bucket_kernel_order": plan.kernel_order})
+
+
+def shard_optimizer_state(plan: MemoryPlan, world_size: int,
+                          make_tx: Callable[[Any], optax.GradientTransformation]) -> GradientExchange:
+    """ZeRO stage 1 (Rajbhandari et al., SC 2020): 1/N of the optimizer state per device.
+
+    Each bucket is reduce-scattered instead of all-reduced (padded to a
+    multiple of N, :func:`trjax.plan.shard_layout`); each device updates its
+    1/N shard of the parameters with its shard of the optimizer state, and the
+    new parameters are all-gathered. The metric sums and a non-finite flag
+    travel in one small all-reduce.
+
+    Args:
+      make_tx: ``mask -> optimizer`` on flat ``{bucket: shard}`` trees, e.g.
+        ``lambda mask: optim.make_optimizer("sgd", lr, mask=mask)``; ``mask``
+        gives the weight-decay flags of a shard (per element: kernels and
+        vectors share a bucket), so decay follows the same rule
+        (:func:`trjax.optim.add_decayed_weights`) as the replicated optimizer.
+        The optimizer must be elementwise (momentum SGD).
+    """
+    layout = shard_layout(plan, world_size)
+    shard = {b: n // world_size for b, (n, _) in layout.items()}
+
+    def decay_mask(shards):
+        rank = lax.axis_index(DATA_AXIS)
+        return {b: lax.dynamic_slice_in_dim(jnp.asarray(layout[b][1]), rank * shard[b], shard[b])
+                for b in shards}
+
+    tx = make_tx(decay_mask)
+    flat = {b: jax.ShapeDtypeStruct((n,), jnp.float32) for b, (n, _) in layout.items()}
+    opt_specs = jax.tree_util.tree_map(lambda x: P() if x.ndim == 0 else P(DATA_AXIS),
+                                       jax.eval_shape(tx.init, flat))
+    mb, mo = plan.metrics_slot
+
+    def init(params, world):
+        zeros = {b: np.zeros(n, np.float32) for b, (n, _) in layout.items()}
+        shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp), opt_specs)
+        return jax.jit(tx.init, out_shardings=shardings)(zeros), {}
+
+    def update(buffers, params, opt_state, comm_state, step, loss_scale):
+        rank = lax.axis_index(DATA_AXIS)
+        shards, previous = {}, None
+        for b, x in buffers.items():  # reduce-scatter, one per bucket, in order
+            x = jnp.pad(x, (0, layout[b][0] - x.shape[0]))
+            if previous is not None:
+                x = collectives.after(x, previous)
+            shards[b] = previous = lax.psum_scatter(x, DATA_AXIS, tiled=True)
+        local_bad = 1.0 - jnp.isfinite(sum(jnp.sum(v) for v in shards.values())).astype(jnp.float32)
+        summed = lax.psum(jnp.concatenate([buffers[mb][mo:mo + len(METRICS)], local_bad[None]]),
+                          DATA_AXIS)
+        sums, finite = summed[:len(METRICS)], summed[len(METRICS)] == 0
+        inv_count = _inverse_count(sums[_COUNT], loss_scale)
+        pflat = plan.pack(params, jnp.zeros(len(METRICS)))
+        mine = {b: lax.dynamic_slice_in_dim(jnp.pad(pflat[b], (0, layout[b][0] - pflat[b].shape[0])),
+                                            rank * shard[b], shard[b]) for b in shards}
+        grads = {b: g * inv_count for b, g in shards.items()}
+        updates, opt_state = tx.update(grads, opt_state, mine)
+        new_flat = {b: lax.all_gather(mine[b] + updates[b], DATA_AXIS, tiled=True)[:pflat[b].shape[0]]
+                    for b in shards}
+        params, _ = plan.unpack(new_flat)
+        return Update(params, opt_state, comm_state, sums, finite, previous)
+
+    return GradientExchange("shard_optimizer_state", init, lambda: (opt_specs, P(DATA_AXIS)),
+                            update, False, {"bucket_kernel_order": plan.kernel_order})
+
+
+def from_config(config, plan: MemoryPlan, schedule, world: World) -> GradientExchange:
+    """The exchange ``config`` asks for (``shard_optimizer_state``,
+    ``compression``, ``allreduce``, the optimizer keys), with the learning-rate
+    ``schedule``. The config is assumed valid (:func:`trjax.config.validate`)."""
+    c = config
+    opt = dict(momentum=c.momentum, weight_decay=c.weight_decay, nesterov=c.nesterov)
+    if c.shard_optimizer_state:
+        return shard_optimizer_state(plan, world.world_size, lambda mask: optim.make_optimizer(
+            "sgd", schedule, mask=mask, **opt))
+    tx = optim.make_optimizer(c.optimizer, schedule, plan, trust_coefficient=c.trust_coefficient,
+                              **opt)
+    if c.compression != "none":
+        def make(bucket):
+            if c.compression == "powersgd":  # one matrix per layer, vectors exact
+                return compression.powersgd(c.powersgd_rank, layer_matrices(plan, bucket))
+            options = {"topk": {"ratio": c.topk_ratio}}.get(c.compression, {})
+            return compression.make_compressor(c.compression, **options)
+        return compressed(tx, plan, exact_below(plan, make, c.compression_min_fraction),
+                          start_step=c.compression_start_step)
+    processes = len({d.process_index for d in world.devices})
+    local = c.allreduce_local_size or world.world_size // processes
+    return allreduce(tx, plan, c.allreduce, local_size=local)
