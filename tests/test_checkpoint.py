@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import max_rel, to_host
+from helpers import to_host
 from test_train import small_config
 from trjax.train import train_and_evaluate
 
@@ -36,10 +36,13 @@ def test_restore_on_another_device_count(tmp_path):
     (backward). Recursive summation of n terms in fp32 errs by at most
     (n-1)·u·sum|x_i| (Higham, Accuracy and Stability of Numerical Algorithms,
     §4.2; u = 2^-24), so each step's update differs by at most 2·(B-1)·u of
-    its own size, and over k steps the parameters by at most
-    2·k·(B-1)·u·max|p_k - p_0| per leaf (the distance they moved). With
-    k = 7, B = 64: 5.3e-5 of the movement; measured 1.0e-5 (jax 0.10.2 and
-    0.11.2). The first step after the restore differs by one ulp.
+    its own size; adding it to the parameters rounds once more in each run
+    (u·|p|). Over k steps, per leaf:
+        |p4 - p8| <= 2·k·(B-1)·u·max|p_k - p_0| + 2·k·u·max|p_k|
+    (the distance the leaf moved, and its size). k = 7, B = 64: 5.3e-5 of the
+    movement plus 8.3e-7 of the size. Measured: at most 0.074 of that bound on
+    jax 0.10.2 and 0.083 on 0.11.2; the first step after the restore differs by
+    one ulp.
 
     The window is short on purpose: over more steps the gap grows through the
     training dynamics, not the restore (a rounding-level change flips a ReLU
@@ -59,16 +62,18 @@ def test_restore_on_another_device_count(tmp_path):
     on4, s4 = train_and_evaluate(small_config(devices="4", halt_after_steps=23 + k, **cfg),
                                  str(tmp_path / "b"))
     assert s4["world_size"] == 4 and s4["steps"] == s8["steps"] == 23 + k
-    bound = 2 * k * (batch - 1) * u
+    worst = 0.0
     for (path, p8), p4, p0 in zip(jax.tree_util.tree_flatten_with_path(to_host(on8.params))[0],
                                   jax.tree_util.tree_leaves(to_host(on4.params)),
                                   jax.tree_util.tree_leaves(start)):
         p8, p4, p0 = (np.asarray(x, np.float64) for x in (p8, p4, p0))
         moved = np.abs(p8 - p0).max()
         assert moved > 0, jax.tree_util.keystr(path)
-        assert np.abs(p4 - p8).max() <= bound * moved, \
-            (jax.tree_util.keystr(path), np.abs(p4 - p8).max() / moved, bound)
-    assert max_rel(to_host(on4.params), to_host(on8.params)) <= 1e-5
+        bound = 2 * k * (batch - 1) * u * moved + 2 * k * u * np.abs(p8).max()
+        worst = max(worst, np.abs(p4 - p8).max() / bound)
+        assert np.abs(p4 - p8).max() <= bound, (jax.tree_util.keystr(path),
+                                                np.abs(p4 - p8).max(), bound)
+    print(f"max |p4 - p8| / bound = {worst:.3g}")
 
 
 def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path, capsys):
