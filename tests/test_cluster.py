@@ -85,7 +85,8 @@ def _free_slurm_job_id():
 
 
 def _env(**more):
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "OMPI_", "JAX_COORD"))}
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "OMPI_", "JAX_COORD"))}
     env.pop("XLA_FLAGS", None)  # each process simulates its own devices
     return {**env, "PYTHONUNBUFFERED": "1", **more}
 
@@ -131,7 +132,8 @@ def test_second_writer_is_refused_while_the_first_lives(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         lock = json.loads((tmp_path / distributed.LOCK_NAME).read_text())
         assert lock["pid"] == holder.pid and lock["host"] == socket.gethostname()
-        with pytest.raises(WorkdirBusy, match=rf"held by a live run \(pid {holder.pid} on this host"):
+        with pytest.raises(WorkdirBusy,
+                           match=rf"held by a live run \(pid {holder.pid} on this host"):
             WorkdirLock(str(tmp_path)).acquire()
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, *TRAIN, "--workdir", str(tmp_path)],

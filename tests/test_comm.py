@@ -151,3 +151,17 @@ def test_xla_cpu_module_still_parses():
     cols = comm.collectives_in_hlo(text)
     assert all(c["kind"] == "all-reduce" and not c["async"] for c in cols)
     assert sum(c["elements"] for c in cols) == 110
+
+
+def test_report_without_hlo_text(monkeypatch):
+    """A backend whose Compiled.as_text() gives nothing: the report says so and
+    still counts what the program requested, instead of failing."""
+    from test_train import small_config
+    from trjax import report
+    monkeypatch.setattr(comm, "hlo_text", lambda compiled: None)
+    r = report.comm_report(small_config(devices="2"))
+    assert r["gradient_all_reduces"] is None and r["deep_before_first_conv_wgrad"] is None
+    assert r["train_step"]["collectives"] is None
+    assert r["train_step"]["hlo"].startswith("unavailable")
+    assert r["train_step"]["requested"]["count"] >= 2  # two buckets (+ BN statistics)
+    assert "train_step: compiled HLO unavailable" in report.format_report(r)

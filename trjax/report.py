@@ -97,7 +97,8 @@ def format_report(r: dict) -> str:
         lines.append(f"{name}: {r[name]['count']} collective(s), {r[name]['compiled_bytes']} B "
                      f"compiled; requested {q['count']} ({q['bytes']} B{dtypes})")
         if r[name]["collectives"] is None:
-            lines[-1] = f"{name}: compiled HLO {r[name]['hlo']}; requested {q['count']} ({q['bytes']} B{dtypes})"
+            lines[-1] = (f"{name}: compiled HLO {r[name]['hlo']}; requested {q['count']} "
+                         f"({q['bytes']} B{dtypes})")
             continue
         for c in r[name]["collectives"]:
             where = "" if c["computation"] == "ENTRY" else f" (in {c['computation']}, per iteration)"
