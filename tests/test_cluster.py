@@ -169,6 +169,9 @@ def test_lock_of_another_host_or_a_recycled_pid(tmp_path):
     with WorkdirLock(str(tmp_path), log=msgs.append):
         assert "no longer running" in msgs[0]
     assert not path.exists()
+    path.write_text(json.dumps({"host": socket.gethostname()}))  # no pid: never "all processes"
+    with WorkdirLock(str(tmp_path), log=msgs.append):
+        assert "no longer running (pid None" in msgs[1]
     fresh = tmp_path / "new"  # a lock in a new workdir that was never written leaves nothing
     with WorkdirLock(str(fresh)):
         assert fresh.is_dir()

@@ -207,6 +207,8 @@ def _start_time(pid: int) -> str | None:
 
 def _alive(pid: int, start: str | None) -> bool:
     """Whether ``pid`` runs on this host and is the process that wrote ``start``."""
+    if pid <= 0:  # kill(0 or -1, 0) would ask about whole process groups
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -273,7 +275,7 @@ class WorkdirLock:
                         f"(pid {other.get('pid')}, since {other.get('started')}): two runs must "
                         "not write one workdir. Use another --workdir, or, if that run is over, "
                         f"delete {self.path}")
-                if _alive(int(other.get("pid", -1)), other.get("start")):
+                if _alive(int(other.get("pid") or 0), other.get("start")):
                     raise WorkdirBusy(
                         f"workdir {self.workdir!r} is held by a live run (pid {other['pid']} on "
                         f"this host, since {other.get('started')}): two runs must not write one "
