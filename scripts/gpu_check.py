@@ -175,7 +175,8 @@ def summary_line(name: str, r: dict) -> str:
     if not r["ok"] and "error" in r:
         return r["error"]
     if name == "devices":
-        return f"{r['device_count']} x {r['device_kind']} ({r['platform']}), jax {r['jax']}"
+        return (f"jax.devices() = {r['devices']}: {r['device_count']} x {r['device_kind']} "
+                f"({r['platform']}), jax {r['jax']}")
     if name == "main_job":
         return (f"val_top1 {r['val_top1']:.4f}, {r['train_images_per_s']:.0f} img/s, "
                 f"world {r['world_size']}, wall {r['job_wall_s']:.0f} s")
@@ -188,7 +189,7 @@ def summary_line(name: str, r: dict) -> str:
         return (f"trjax {r['trjax_images_per_s']:.0f} img/s, torch "
                 f"{r['torch_images_per_s']:.0f} img/s, ratio {r['trjax_over_torch']:.3f}")
     if name == "syncbn":
-        return (f"max rel diff params {r['params_max_rel']:.2e}, batch stats "
+        return (f"max rel diff of the update {r['update_max_rel']:.2e}, batch stats "
                 f"{r['batch_stats_max_rel']:.2e}, loss {r['loss_rel']:.2e}")
     return ""
 
@@ -240,6 +241,8 @@ def _overrides(a) -> list[str]:
 
 def part_main_job(a) -> dict:
     workdir = os.path.join(a.out, "main_job")
+    import shutil
+    shutil.rmtree(workdir, ignore_errors=True)  # a fresh run, not a resume of an earlier check
     proc = _script(a, ["scripts/train.py", "--config", "configs/default.py", "--workdir", workdir,
                        "--config.num_epochs=2", "--config.progress=False",
                        "--config.resume=False", *_overrides(a)])
@@ -369,19 +372,34 @@ def part_syncbn(a) -> dict:
                        / max(float(np.max(np.abs(np.asarray(v, np.float64)))), 1e-6))
                    for u, v in zip(jax.tree_util.tree_leaves(a_), jax.tree_util.tree_leaves(b_)))
 
+    new_params = to_host(state.params)
     moved = max(float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) for u, v in zip(
-        jax.tree_util.tree_leaves(to_host(state.params)), jax.tree_util.tree_leaves(params)))
+        jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(params)))
+    # per leaf: |trjax - reference| over the size of the step's update |p1 - p0|
+    update_rel = max(
+        float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(r, np.float64)))
+              / max(float(np.max(np.abs(np.asarray(u, np.float64) - np.asarray(v, np.float64)))),
+                    1e-30))
+        for u, r, v in zip(jax.tree_util.tree_leaves(new_params), jax.tree_util.tree_leaves(p_ref),
+                           jax.tree_util.tree_leaves(params)))
     out = {"world_size": tr.world.world_size, "model": name, "image": list(image),
            "global_batch": batch, "platform": tr.world.devices[0].platform,
-           "params_max_rel": max_rel(to_host(state.params), p_ref),
+           "params_max_rel": max_rel(new_params, p_ref), "update_max_rel": update_rel,
            "batch_stats_max_rel": max_rel(to_host(state.batch_stats), s_ref),
            "loss": float(sums[0] / sums[3]), "loss_reference": float(loss_ref),
            "params_moved_max_abs": moved}
     out["loss_rel"] = abs(out["loss"] - out["loss_reference"]) / abs(out["loss_reference"])
-    # fp32 sums of the same 16..64 rows in another order: a few ulp; 1e-5 is the
-    # project's exactness bound (tests/test_exactness.py); the step must move
-    out["ok"] = (out["params_max_rel"] <= 1e-5 and out["batch_stats_max_rel"] <= 1e-5
+    # fp32 sums of the same 16..64 rows in another order (and, on a GPU, other cuDNN
+    # algorithms): a leaf whose gradient is a small sum of larger terms loses relative
+    # accuracy (2.2e-5 of its update measured in the dry run); 1e-3 leaves room for that
+    # and still catches a wrong statistic (a biased/unbiased variance mix-up is 1/B, 2e-2
+    # at B = 64). The step must move.
+    out["ok"] = (out["update_max_rel"] <= 1e-3 and out["batch_stats_max_rel"] <= 1e-5
                  and out["loss_rel"] <= 1e-5 and moved > 0)
+    if out["world_size"] == 1:
+        out["note"] = ("one device: checks the sync-BN step (its collectives with one "
+                       "participant, buckets, update) against the reference; equality across "
+                       "devices needs 2 or more (the --dry-run checks 2)")
     return out
 
 
