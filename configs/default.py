@@ -70,7 +70,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.distributed.coordinator = ""         # "host:port" of process 0
     c.distributed.num_processes = 1
     c.distributed.process_id = 0
-    c.distributed.auto = False             # let jax.distributed detect SLURM / Open MPI / ...
+    c.distributed.auto = True              # start the run srun / mpirun / JAX_COORDINATOR_ADDRESS
+    #                                        describe (trjax.distributed.detect_launch)
     c.distributed.heartbeat_timeout_s = 30  # a dead peer makes the survivors exit after ~this
     c.step_timeout_s = 600                 # watchdog: exit non-zero if no step finishes this long
     return c

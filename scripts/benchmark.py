@@ -227,7 +227,8 @@ class JaxVariant:
         n = tr.world.world_size
         cost = tr.train_step.cost()
         flops_dev = cost.get("flops", 0.0)
-        cols = comm.collectives_in_hlo(tr.train_step.hlo_text())
+        # no HLO text from the backend (as_text() None): no collectives to count
+        cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled)) or []
         ars = [c for c in cols if c["kind"] == "all-reduce"]
         payload = sum(c["bytes"] for c in ars)
         g_bytes = tr.plan.gradient_bytes

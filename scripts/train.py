@@ -4,7 +4,10 @@
       [--config.global_batch_size=256 --config.bn_mode=sync ...]
 
 On a host without an accelerator, ``config.cpu_devices`` CPU devices are
-simulated so the data-parallel path always runs.
+simulated so the data-parallel path always runs. Under ``srun``/``mpirun`` (or
+with ``JAX_COORDINATOR_ADDRESS``) the processes start as one run
+(``trjax.distributed.detect_launch``); a workdir another live run writes into
+is refused.
 """
 
 import os
@@ -34,13 +37,16 @@ def main(argv):
         sys.exit(f"error: {e}")
     from trjax import distributed
     d = config.distributed
-    distributed.initialize(d.coordinator, d.num_processes, d.process_id, auto=d.auto,
-                           heartbeat_timeout_s=d.heartbeat_timeout_s)
+    try:  # srun / mpirun / JAX_COORDINATOR_ADDRESS start one run of N processes
+        distributed.initialize(d.coordinator, d.num_processes, d.process_id, auto=d.auto,
+                               heartbeat_timeout_s=d.heartbeat_timeout_s)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     from trjax.train import train_and_evaluate
     try:
         _, summary = train_and_evaluate(config, flags.FLAGS.workdir)
-    except (ValueError, FileNotFoundError) as e:  # bad input: the message says what to fix
-        sys.exit(f"error: {e}")
+    except (ValueError, FileNotFoundError, distributed.WorkdirBusy) as e:
+        sys.exit(f"error: {e}")  # bad input or a busy workdir: the message says what to do
     except jax.errors.JaxRuntimeError as e:
         if jax.process_count() > 1:
             print(f"trjax: a collective failed on process {jax.process_index()}: "

@@ -4,11 +4,14 @@ Between GPUs XLA's collectives run on NCCL, between CPU processes on gloo: no
 transport of our own. This module only starts the runtime, checks that the
 processes agree, and watches for a stuck step.
 
-* :func:`initialize` -- ``jax.distributed.initialize`` with an explicit
-  coordinator (``host:port``, process count, process id) or auto-detection
-  (SLURM, Open MPI, ... as ``jax.distributed`` supports), with a heartbeat
-  timeout: when a peer dies, the survivors abort within about that time
-  instead of hanging.
+* :func:`detect_launch` / :func:`initialize` -- ``jax.distributed.initialize``
+  with an explicit coordinator (``host:port``, process count, process id) or,
+  by default, from the launcher's environment (SLURM ``srun``, Open MPI
+  ``mpirun``, ``JAX_COORDINATOR_ADDRESS``), with a heartbeat timeout: when a
+  peer dies, the survivors abort within about that time instead of hanging.
+* :func:`holds_workdir` / :class:`WorkdirLock` -- one writer per workdir: a
+  lock file with host and pid; a second live run is refused, a dead one's
+  lock is taken over.
 * :func:`check_agree` -- every process must hold the same values (steps per
   epoch, global example count, config fields); a mismatch names the process.
 * :func:`tree_checksum` -- a bit-exact checksum of a pytree, compared across
@@ -19,52 +22,327 @@ processes agree, and watches for a stuck step.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import json
 import os
+import socket
 import sys
 import threading
 import time
 import zlib
+from typing import Mapping
 
 import jax
 import numpy as np
 
 
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """How this process was started, as :func:`detect_launch` read it.
+
+    Attributes:
+      source: ``"config"``, ``"SLURM"``, ``"Open MPI"`` or
+        ``"JAX_COORDINATOR_ADDRESS"``.
+      coordinator: ``"host:port"`` of process 0, or None to let
+        ``jax.distributed`` derive it from the launcher (SLURM: first node of
+        ``SLURM_STEP_NODELIST``, port from the job id; Open MPI: the HNP URI).
+      num_processes, process_id: the run's size and this process's index.
+      local_device_ids: the accelerators this process takes, or None for
+        ``jax.distributed``'s default (one per process: the launcher's local
+        rank).
+    """
+    source: str
+    coordinator: str | None
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None = None
+
+
+def _local_gpus(env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """Indices of this host's GPUs (``CUDA_VISIBLE_DEVICES``, else ``/dev/nvidiaN``)."""
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        n = len([v for v in visible.split(",") if v.strip()])
+    else:
+        try:
+            n = sum(1 for d in os.listdir("/dev") if d.startswith("nvidia") and d[6:].isdigit())
+        except OSError:
+            n = 0
+    return tuple(range(n)) if n else None
+
+
+def detect_launch(env: Mapping[str, str] | None = None) -> Launch | None:
+    """Reads a multi-process launch from the environment.
+
+    The variables are those ``jax.distributed``'s cluster detection reads
+    (``jax/_src/clusters``): SLURM (``SLURM_JOB_ID``, ``SLURM_STEP_NODELIST``,
+    ``SLURM_NTASKS``, ``SLURM_PROCID``, ``SLURM_LOCALID``), Open MPI
+    (``OMPI_MCA_orte_hnp_uri``, ``OMPI_COMM_WORLD_SIZE``,
+    ``OMPI_COMM_WORLD_RANK``), and ``JAX_COORDINATOR_ADDRESS`` (with the
+    process count and index from one of those launchers, or from
+    ``JAX_NUM_PROCESSES`` / ``JAX_PROCESS_ID``, which trjax reads). A launch
+    of one process is no launch (None).
+
+    jax gives each process one accelerator (its local rank) under a launcher;
+    with one process per host (``SLURM_NTASKS == SLURM_STEP_NUM_NODES``,
+    ``OMPI_COMM_WORLD_LOCAL_SIZE == 1``) the process takes all of the host's
+    GPUs instead.
+
+    Returns:
+      A :class:`Launch`, or None when this is a single-process run.
+
+    Raises:
+      ValueError: a launch of several processes that cannot be started as one
+        run (e.g. Open MPI without ``OMPI_MCA_orte_hnp_uri``, as Open MPI 5
+        starts processes), naming the variables to set.
+    """
+    env = os.environ if env is None else env
+    coordinator = env.get("JAX_COORDINATOR_ADDRESS") or None
+    slurm = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID",
+             "SLURM_LOCALID")
+    if "OMPI_COMM_WORLD_SIZE" in env and int(env["OMPI_COMM_WORLD_SIZE"]) > 1:
+        if "OMPI_MCA_orte_hnp_uri" not in env and coordinator is None:
+            raise ValueError(
+                f"an Open MPI launch of {env['OMPI_COMM_WORLD_SIZE']} processes without "
+                "OMPI_MCA_orte_hnp_uri (Open MPI >= 5): jax.distributed cannot find process 0. "
+                "Set JAX_COORDINATOR_ADDRESS=<host of rank 0>:<free port> for every process "
+                "(or --config.distributed.coordinator)")
+        one_per_host = env.get("OMPI_COMM_WORLD_LOCAL_SIZE") == "1"
+        return Launch("Open MPI", coordinator, int(env["OMPI_COMM_WORLD_SIZE"]),
+                      int(env["OMPI_COMM_WORLD_RANK"]),
+                      _local_gpus(env) if one_per_host else None)
+    if all(k in env for k in slurm) and int(env["SLURM_NTASKS"]) > 1:
+        one_per_host = env.get("SLURM_STEP_NUM_NODES") == env["SLURM_NTASKS"]
+        return Launch("SLURM", coordinator, int(env["SLURM_NTASKS"]), int(env["SLURM_PROCID"]),
+                      _local_gpus(env) if one_per_host else None)
+    if coordinator is not None:
+        missing = [k for k in ("JAX_NUM_PROCESSES", "JAX_PROCESS_ID") if k not in env]
+        if missing:
+            raise ValueError(f"JAX_COORDINATOR_ADDRESS={coordinator!r} is set but "
+                             f"{' and '.join(missing)} not, and no SLURM or Open MPI launch "
+                             "gives them: set both for every process (or unset "
+                             "JAX_COORDINATOR_ADDRESS for a single-process run)")
+        n, i = int(env["JAX_NUM_PROCESSES"]), int(env["JAX_PROCESS_ID"])
+        return Launch("JAX_COORDINATOR_ADDRESS", coordinator, n, i) if n > 1 else None
+    return None
+
+
+def resolve_launch(coordinator_address: str = "", num_processes: int = 1, process_id: int = 0,
+                   auto: bool = True, env: Mapping[str, str] | None = None) -> Launch | None:
+    """The launch to start: explicit config values win, else (``auto``) the
+    environment's (:func:`detect_launch`). None for a single process.
+
+    Raises:
+      ValueError: inconsistent explicit values, or an environment
+        :func:`detect_launch` refuses.
+    """
+    if num_processes > 1 or coordinator_address:
+        if not coordinator_address or ":" not in coordinator_address:
+            raise ValueError(f"distributed.coordinator={coordinator_address!r} must be "
+                             f"'host:port' when num_processes={num_processes}")
+        if num_processes < 1 or not 0 <= process_id < num_processes:
+            raise ValueError(f"distributed.process_id={process_id} must be in "
+                             f"[0, distributed.num_processes={num_processes})")
+        return Launch("config", coordinator_address, num_processes, process_id)
+    return detect_launch(env) if auto else None
+
+
 def initialize(coordinator_address: str = "", num_processes: int = 1, process_id: int = 0,
-               auto: bool = False, heartbeat_timeout_s: int = 30,
-               initialization_timeout_s: int = 120) -> bool:
+               auto: bool = True, heartbeat_timeout_s: int = 30,
+               initialization_timeout_s: int = 120, log=print) -> bool:
     """Starts ``jax.distributed`` before any device is used.
 
     Args:
       coordinator_address: ``"host:port"`` of process 0's coordinator.
       num_processes, process_id: this run's size and this process's index.
-      auto: let ``jax.distributed.initialize()`` detect the cluster (SLURM,
-        Open MPI, Kubernetes...) instead of the explicit values.
+      auto: without explicit values, start the run the environment describes
+        (:func:`detect_launch`: ``srun``, ``mpirun``,
+        ``JAX_COORDINATOR_ADDRESS``); False: a single process whatever the
+        environment says.
       heartbeat_timeout_s: a peer silent this long is declared dead; the
         survivors then abort (non-zero exit) instead of waiting forever.
       initialization_timeout_s: how long to wait for every process to join.
+      log: prints one line saying where the launch came from.
 
     Returns:
       True if the runtime was started, False for a single-process run.
 
     Raises:
-      ValueError: inconsistent arguments (names them).
+      ValueError: inconsistent arguments or environment (names them).
     """
-    if auto:
-        jax.distributed.initialize(heartbeat_timeout_seconds=heartbeat_timeout_s,
-                                   initialization_timeout=initialization_timeout_s)
-        return True
-    if num_processes <= 1:
+    launch = resolve_launch(coordinator_address, num_processes, process_id, auto)
+    if launch is None:
         return False
-    if not coordinator_address or ":" not in coordinator_address:
-        raise ValueError(f"distributed.coordinator={coordinator_address!r} must be 'host:port' "
-                         f"when num_processes={num_processes}")
-    if not 0 <= process_id < num_processes:
-        raise ValueError(f"distributed.process_id={process_id} must be in [0, {num_processes})")
-    jax.distributed.initialize(coordinator_address, num_processes=num_processes,
-                               process_id=process_id,
+    if launch.source != "config":
+        log(f"trjax: {launch.source} launch detected: process {launch.process_id} of "
+            f"{launch.num_processes}, coordinator "
+            f"{launch.coordinator or '(from the launcher)'}; --config.distributed.auto=False "
+            "runs a single process instead")
+    jax.distributed.initialize(launch.coordinator, num_processes=launch.num_processes,
+                               process_id=launch.process_id,
+                               local_device_ids=(list(launch.local_device_ids)
+                                                 if launch.local_device_ids else None),
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
                                initialization_timeout=initialization_timeout_s)
     return True
+
+
+LOCK_NAME = "trjax.lock"
+
+
+class WorkdirBusy(RuntimeError):
+    """Another live run writes into this workdir."""
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of ``pid`` (``/proc/PID/stat`` field 22, clock ticks since
+    boot), or None when no such process (or no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    """Whether ``pid`` runs on this host and is the process that wrote ``start``."""
+    if pid <= 0:  # kill(0 or -1, 0) would ask about whole process groups
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's process: alive
+    now = _start_time(pid)
+    return start is None or now is None or now == start  # a recycled pid is another process
+
+
+class WorkdirLock:
+    """One writer per workdir: ``WORKDIR/trjax.lock`` holds the host, pid and
+    start time of the run that writes there.
+
+    :meth:`acquire` creates the file atomically (``O_CREAT | O_EXCL``). An
+    existing lock of a live process is refused; one left by a process that is
+    no longer running on this host (killed, crashed) is taken over with a
+    message. A lock from another host cannot be checked and is refused.
+    :meth:`release` removes it. The holding process may acquire again.
+    """
+
+    def __init__(self, workdir: str, log=print):
+        self.workdir, self.log = workdir, log
+        self.path = os.path.join(workdir, LOCK_NAME)
+        self.held = self.created = False
+
+    def _mine(self) -> dict:
+        pid = os.getpid()
+        return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid),
+                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[:8]}
+
+    def acquire(self) -> "WorkdirLock":
+        """Takes the lock.
+
+        Raises:
+          WorkdirBusy: another live run holds the workdir (names its host,
+            pid and start, and what to do).
+        """
+        self.created = not os.path.isdir(self.workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        me = self._mine()
+        for _ in range(3):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                try:
+                    with open(self.path) as f:
+                        other = json.load(f)
+                except (OSError, ValueError):
+                    other = {}
+                if not other:  # being written this instant, or unreadable
+                    time.sleep(0.2)
+                    if os.path.exists(self.path) and os.path.getsize(self.path) == 0:
+                        raise WorkdirBusy(f"workdir {self.workdir!r}: the lock {self.path} is "
+                                           "empty or unreadable; if no run uses this workdir, "
+                                           "delete the file")
+                    continue
+                if other.get("host") == me["host"] and other.get("pid") == me["pid"]:
+                    self.held = True  # this process already holds it
+                    return self
+                if other.get("host") != me["host"]:
+                    raise WorkdirBusy(
+                        f"workdir {self.workdir!r} is held by a run on host {other.get('host')!r} "
+                        f"(pid {other.get('pid')}, since {other.get('started')}): two runs must "
+                        "not write one workdir. Use another --workdir, or, if that run is over, "
+                        f"delete {self.path}")
+                if _alive(int(other.get("pid") or 0), other.get("start")):
+                    raise WorkdirBusy(
+                        f"workdir {self.workdir!r} is held by a live run (pid {other['pid']} on "
+                        f"this host, since {other.get('started')}): two runs must not write one "
+                        "workdir. Use another --workdir, or wait for that run to end")
+                self.log(f"trjax: taking over the lock of a run that is no longer running "
+                         f"(pid {other.get('pid')} on {other.get('host')}, since "
+                         f"{other.get('started')}): {self.path}")
+                try:
+                    os.remove(self.path)
+                except FileNotFoundError:
+                    pass
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(me, f)
+            self.held = True
+            return self
+        raise WorkdirBusy(f"workdir {self.workdir!r}: could not take {self.path} (another "
+                           "process keeps replacing it)")
+
+    def release(self) -> None:
+        """Removes the lock if this process holds it."""
+        if not self.held:
+            return
+        self.held = False
+        try:
+            with open(self.path) as f:
+                other = json.load(f)
+            if other.get("pid") == os.getpid() and other.get("host") == socket.gethostname():
+                os.remove(self.path)
+            if self.created and not os.listdir(self.workdir):
+                os.rmdir(self.workdir)  # a refused or failed run leaves nothing behind
+        except (OSError, ValueError):
+            pass
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+        return False
+
+
+def holds_workdir(fn):
+    """Decorator for ``fn(config, workdir, ...)``: process 0 holds
+    :class:`WorkdirLock` on ``workdir`` while ``fn`` runs (other processes of
+    a multi-process run write nothing there). Refusal raises
+    :class:`WorkdirBusy` before ``fn`` starts."""
+    @functools.wraps(fn)
+    def wrapper(config, workdir, *args, **kwargs):
+        if jax.process_index() != 0:
+            return fn(config, workdir, *args, **kwargs)
+        lock = WorkdirLock(workdir)
+        held_before = os.path.exists(lock.path) and _lock_pid(lock.path) == os.getpid()
+        with lock:
+            try:
+                return fn(config, workdir, *args, **kwargs)
+            finally:
+                lock.held = lock.held and not held_before  # a nested call keeps the outer lock
+    return wrapper
+
+
+def _lock_pid(path: str):
+    try:
+        with open(path) as f:
+            return json.load(f).get("pid")
+    except (OSError, ValueError):
+        return None
 
 
 def check_agree(values: dict) -> None:

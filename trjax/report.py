@@ -39,9 +39,21 @@ def comm_report(tr) -> dict:
                            "ring_traffic_per_rank_bytes": comm.ring_traffic_bytes(plan.bucket_bytes(b), n)}
                        for b, e in plan.bucket_elements.items()}}
     for step in tr.compiled:
-        text = step.hlo_text()
-        cols = comm.label_collectives(comm.collectives_in_hlo(text), labels)
+        text = comm.hlo_text(step.compiled)
         req = comm.requested_collectives(step.lowered_text)
+        if text is None:  # a backend without HLO text: report what the program requested
+            out[step.name] = {"collectives": None, "count": None, "compiled_bytes": None,
+                              "hlo": "unavailable (Compiled.as_text() gave no text)",
+                              "requested": {"count": len(req),
+                                            "bytes": sum(c["bytes"] for c in req),
+                                            "dtypes": sorted({o["dtype"] for c in req
+                                                              for o in c["operands"]})}}
+            if step.name == "train_step":
+                out.update(gradient_all_reduces=None, first_conv_wgrad_positions=None,
+                           deep_before_first_conv_wgrad=None, bucket_elements_match_plan=None,
+                           async_collectives=None)
+            continue
+        cols = comm.label_collectives(comm.collectives_in_hlo(text), labels)
         out[step.name] = {"collectives": cols, "count": len(cols),
                           "compiled_bytes": sum(c["bytes"] for c in cols),
                           "requested": {"count": len(req), "bytes": sum(c["bytes"] for c in req),
@@ -50,6 +62,7 @@ def comm_report(tr) -> dict:
         if step.name == "train_step":
             grads = [c for c in cols if any(l.startswith("bucket:") for l in c["carries"])]
             out["gradient_all_reduces"] = len(grads)
+            out["async_collectives"] = sum(c["async"] for c in cols)
             first = plan.slots[[s.region for s in plan.slots].index(Region.FIRST_CONV)]
             wgrad = comm.conv_positions(text, first.shape)
             first_bucket = labels[next(iter(plan.bucket_elements.values()))]
@@ -84,8 +97,13 @@ def format_report(r: dict) -> str:
         dtypes = f", {'/'.join(q['dtypes'])}" if q["dtypes"] else ""
         lines.append(f"{name}: {r[name]['count']} collective(s), {r[name]['compiled_bytes']} B "
                      f"compiled; requested {q['count']} ({q['bytes']} B{dtypes})")
+        if r[name]["collectives"] is None:
+            lines[-1] = (f"{name}: compiled HLO {r[name]['hlo']}; requested {q['count']} "
+                         f"({q['bytes']} B{dtypes})")
+            continue
         for c in r[name]["collectives"]:
             where = "" if c["computation"] == "ENTRY" else f" (in {c['computation']}, per iteration)"
+            where += f" (async, done at #{c['done_position']})" if c.get("async") else ""
             lines.append(f"  #{c['position']:<5d} {c['kind']:12s} {c['elements']:>10d} el "
                          f"{c['bytes']:>11d} B  {' + '.join(c['carries'])}{where}")
     lines.append(f"gradient all-reduces: {r['gradient_all_reduces']}; deep bucket before the "

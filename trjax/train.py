@@ -226,6 +226,7 @@ def _progress(total: int, epoch: int, enabled: bool):
                 disable=not enabled, dynamic_ncols=True)
 
 
+@distributed.holds_workdir  # one live run per workdir (process 0 holds WORKDIR/trjax.lock)
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        data: input_pipeline.Dataset | None = None):
     """Trains and evaluates, checkpointing under ``workdir/checkpoints``.
@@ -247,6 +248,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         compilation), or an incompatible checkpoint.
       FloatingPointError: a skipped non-finite step when
         ``config.halt_on_nonfinite``.
+      trjax.distributed.WorkdirBusy: another live run writes into ``workdir``.
     """
     t_start = time.perf_counter()
     prepared = prepare(config, data)

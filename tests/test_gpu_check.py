@@ -1,0 +1,78 @@
+"""scripts/gpu_check.py: its CPU dry run (the GPU code path, tiny sizes) writes one
+JSON whose figures are checked here against what they must be, and a part that
+fails (no GPU without --dry-run) is recorded and makes the exit status 1."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import jax
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")
+
+
+def _env():
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # conftest's forced device count: the parts set their own
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def test_dry_run_writes_every_figure(tmp_path):
+    out = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--dry-run",
+                          "--timeout_scale", "4"],
+                         capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "all parts passed" in out.stdout
+    r = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert r["ok"] and r["dry_run"] and list(r["parts"]) == ["devices", "main_job",
+                                                             "comm_report", "benchmark", "syncbn"]
+    p = r["parts"]
+    assert all(x["ok"] for x in p.values())
+
+    d = p["devices"]
+    assert (d["platform"], d["device_count"], d["jax"]) == ("cpu", 2, jax.__version__)
+    assert d["devices"] == ["cpu:0", "cpu:1"] or len(d["devices"]) == 2
+
+    m = p["main_job"]
+    on_disk = json.loads((tmp_path / "main_job" / "summary.json").read_text())
+    steps = 2 * math.ceil(1437 / 32)  # 2 epochs of the 1,437 training digits at batch 32
+    assert (m["epochs"], m["steps"], m["world_size"], m["model"]) == (2, steps, 2, "resnet8")
+    assert m["steps"] == on_disk["steps"] and m["val_top1"] == on_disk["val_top1"] >= 0.3
+    assert m["compiles_during_training"] == 0 and m["train_images_per_s"] > 0
+
+    c = p["comm_report"]
+    full = json.loads((tmp_path / "comm_report.json").read_text())
+    assert c["world_size"] == 2 and c["gradient_all_reduces"] == 2
+    assert c["deep_before_first_conv_wgrad"] is True and c["async_collectives"] == 0
+    grads = [x for x in c["train_step_collectives"] if x["carries"][0].startswith("bucket:")]
+    assert [x["elements"] for x in grads] == [c["bucket_elements"]["deep"],
+                                              c["bucket_elements"]["first"]]  # deep first
+    assert grads[0]["position"] < min(c["first_conv_wgrad_positions"])
+    assert c["bucket_elements"] == {b: v["elements"] for b, v in full["buckets"].items()}
+
+    b = p["benchmark"]
+    assert (b["precision"], b["model"], b["world_size"]) == ("bf16", "resnet8", 2)
+    assert b["trjax_images_per_s"] > 0 and 0 < b["trjax_mfu"] < 1
+    assert (tmp_path / "benchmark" / "benchmark.json").is_file()
+    if b["torch_images_per_s"] is None:
+        assert "torch is not importable" in b["torch_skipped"]
+    else:
+        assert b["trjax_over_torch"] == b["trjax_images_per_s"] / b["torch_images_per_s"]
+
+    s = p["syncbn"]
+    assert s["world_size"] == 2 and s["params_moved_max_abs"] > 0
+    assert s["update_max_rel"] <= 1e-3 and s["batch_stats_max_rel"] <= 1e-5
+    assert s["params_max_rel"] <= 1e-5
+    assert s["loss_rel"] <= 1e-5 and abs(s["loss"] - math.log(10)) < 1.0  # 10 classes, random
+
+
+def test_without_a_gpu_the_check_fails_and_says_why(tmp_path):
+    out = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--parts", "devices"],
+                         capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)
+    assert out.returncode == 1 and "devices: FAILED" in out.stdout
+    r = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert not r["ok"] and r["parts"]["devices"]["platform"] == "cpu"
+    assert "no GPU visible to jax" in r["parts"]["devices"]["error"]

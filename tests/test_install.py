@@ -1,0 +1,155 @@
+"""The README's offline install, in a fresh virtual environment that, like the GPU
+image, has jax, flax, optax, orbax, ... but neither ml_collections nor
+tensorboardX, and no package index (--no-index).
+
+The environment: a venv of this interpreter without pip or system site-packages,
+whose one .pth file adds a folder of links to this environment's packages minus
+ml_collections, tensorboardX and trjax (so nothing is downloaded or rebuilt and
+the test stays fast). The carried wheels come from scripts/offline_wheels.sh,
+run here once (it needs the package index, as the README's networked machine
+does; without one the tests skip and say so).
+
+Routes, as the README documents them:
+  A. repo and wheels on PYTHONPATH, no pip: scripts/train.py trains one step and
+     writes TensorBoard events through tensorboardX imported from its wheel;
+  B. pip install --no-index of the wheels, then trjax with
+     --find-links wheels (pip's isolated build from the carried setuptools) and
+     with --no-build-isolation (setuptools installed from the carried wheels);
+  C. scripts/gpu_check.py finds the wheels itself when ml_collections is missing,
+     and says what to do when they are missing too.
+"""
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MISSING = ("ml_collections", "tensorboardx", "trjax", "__editable__", "_trjax")
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory):
+    d = tmp_path_factory.mktemp("wheels")
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "offline_wheels.sh"), str(d)],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHON=sys.executable))
+    if out.returncode != 0:
+        pytest.skip("scripts/offline_wheels.sh could not reach a package index: "
+                    + out.stderr.strip().splitlines()[-1][:200])
+    names = sorted(os.path.basename(w) for w in glob.glob(str(d / "*.whl")))
+    assert any(n.startswith("ml_collections-") for n in names), names
+    assert any(n.lower().startswith("tensorboardx-") for n in names), names
+    assert any(n.startswith("setuptools-") for n in names), names
+    return d
+
+
+def _repo_copy(dest):
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for name in ("trjax", "scripts", "configs"):
+        shutil.copytree(os.path.join(ROOT, name), dest / name, ignore=ignore)
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(os.path.join(ROOT, name), dest / name)
+    return dest
+
+
+def _fresh_venv(root):
+    """A venv that sees this environment's packages except ml_collections,
+    tensorboardX and trjax; returns its python."""
+    venv, site = root / "venv", root / "image-site-packages"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    site.mkdir()
+    ours = sysconfig.get_paths()["purelib"]
+    for name in os.listdir(ours):
+        if not name.lower().startswith(MISSING):
+            os.symlink(os.path.join(ours, name), site / name)
+    py = venv / "bin" / "python"
+    venv_site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
+                                "['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip()
+    with open(os.path.join(venv_site, "_image.pth"), "w") as f:
+        f.write(f"import site; site.addsitedir({str(site)!r})\n")
+    return str(py)
+
+
+def _env(**more):
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PIP_", "PYTHON", "VIRTUAL_ENV", "XLA_FLAGS"))}
+    # no index, no machine-wide pip configuration or find-links
+    return {**env, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1",
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1", "JAX_PLATFORMS": "cpu", **more}
+
+
+def _run(cmd, cwd, env, timeout=300):
+    out = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, (cmd, out.stdout[-2000:], out.stderr[-3000:])
+    return out.stdout
+
+
+def test_the_image_lacks_them(tmp_path):
+    py = _fresh_venv(tmp_path)
+    for mod in ("ml_collections", "tensorboardX", "trjax"):
+        out = subprocess.run([py, "-c", f"import {mod}"], cwd=tmp_path, env=_env(),
+                             capture_output=True, text=True)
+        assert out.returncode == 1 and f"No module named '{mod}'" in out.stderr
+    _run([py, "-c", "import jax, flax, optax, orbax.checkpoint"], tmp_path, _env())
+
+
+def test_route_a_pythonpath_trains_one_step(tmp_path, wheels):
+    repo, py = _repo_copy(tmp_path / "repo"), _fresh_venv(tmp_path)
+    carried = [w for w in glob.glob(str(wheels / "*.whl"))
+               if os.path.basename(w).lower().startswith(("ml_collections", "tensorboardx"))]
+    env = _env(PYTHONPATH=os.pathsep.join([str(repo), *carried]))
+    work = tmp_path / "run"
+    _run([py, str(repo / "scripts" / "train.py"), "--config", str(repo / "configs" / "default.py"),
+          "--workdir", str(work), "--config.model=resnet8", "--config.num_epochs=1",
+          "--config.halt_after_steps=1", "--config.cpu_devices=2", "--config.progress=False",
+          "--config.tensorboard=True", "--config.eval_batch_size=360"], tmp_path, env)
+    summary = json.loads((work / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["world_size"] == 2
+    assert glob.glob(str(work / "tensorboard" / "events.out.tfevents.*"))
+    where = _run([py, "-c", "import ml_collections, tensorboardX, trjax; print(ml_collections."
+                  "__file__); print(tensorboardX.__file__); print(trjax.__file__)"], tmp_path, env)
+    assert [".whl" in line for line in where.split()] == [True, True, False]
+
+
+def test_route_b_pip_without_index(tmp_path, wheels):
+    carried = [w for w in glob.glob(str(wheels / "*.whl"))
+               if os.path.basename(w).lower().startswith(("ml_collections", "tensorboardx"))]
+    for route in ("find-links", "no-build-isolation"):
+        root = tmp_path / route
+        root.mkdir()
+        repo, py = _repo_copy(root / "repo"), _fresh_venv(root)
+        pip = [py, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+        _run([*pip, *carried], root, _env())
+        if route == "find-links":  # pip's isolated build gets setuptools from the folder
+            _run([*pip, "--find-links", str(wheels), "-e", str(repo)], root, _env())
+        else:  # the build backend installed first, from the carried wheels
+            _run([*pip, *glob.glob(str(wheels / "setuptools-*.whl")),
+                  *glob.glob(str(wheels / "wheel-*.whl")),
+                  *glob.glob(str(wheels / "packaging-*.whl"))], root, _env())
+            _run([*pip, "--no-build-isolation", "-e", str(repo)], root, _env())
+        out = _run([py, "-c", "import trjax, trjax.train, ml_collections, tensorboardX\n"
+                    "from trjax.config import load_config_file\n"
+                    f"c = load_config_file({str(repo / 'configs' / 'default.py')!r})\n"
+                    "print(trjax.__file__, c.model)"], root, _env())
+        assert out.split() == [str(repo / "trjax" / "__init__.py"), "resnet20"], route
+
+
+def test_route_c_gpu_check_takes_the_wheels(tmp_path, wheels):
+    repo, py = _repo_copy(tmp_path / "repo"), _fresh_venv(tmp_path)
+    script = str(repo / "scripts" / "gpu_check.py")
+    out = subprocess.run([py, script, str(tmp_path / "none"), "--dry-run", "--parts", "devices",
+                          "--wheels", str(tmp_path / "nowhere")], cwd=tmp_path, env=_env(),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "ml_collections is not importable" in out.stderr \
+        and "scripts/offline_wheels.sh" in out.stderr
+    _run([py, script, str(tmp_path / "out"), "--dry-run", "--parts", "devices",
+          "--wheels", str(wheels)], tmp_path, _env())
+    r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert r["ok"] and any(w.startswith("ml_collections-") for w in r["wheels_on_path"])
+    assert r["parts"]["devices"]["packages"]["ml_collections"]  # importable from the wheel
