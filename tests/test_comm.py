@@ -156,10 +156,10 @@ def test_xla_cpu_module_still_parses():
 def test_report_without_hlo_text(monkeypatch):
     """A backend whose Compiled.as_text() gives nothing: the report says so and
     still counts what the program requested, instead of failing."""
-    from test_train import small_config
-    from trjax import report
+    from helpers import small_config
+    from trjax import report, train
     monkeypatch.setattr(comm, "hlo_text", lambda compiled: None)
-    r = report.comm_report(small_config(devices="2"))
+    r = report.comm_report(train.setup(small_config(devices="2")))
     assert r["gradient_all_reduces"] is None and r["deep_before_first_conv_wgrad"] is None
     assert r["train_step"]["collectives"] is None
     assert r["train_step"]["hlo"].startswith("unavailable")
