@@ -330,6 +330,9 @@ def _train_and_evaluate(config, workdir, data, compiles, cache, t_start):
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
                                 for b, n in plan.bucket_sizes.items()) +
         f"; compile {sum(c.compile_s for c in tr.compiled):.1f}s")
+    say(f"compilation cache: {compilation.cache_dir() or 'off'} (start-up: "
+        f"{sum(not b.compiled for b in compiles.builds)} programs loaded, "
+        f"{sum(b.compiled for b in compiles.builds)} compiled)")
 
     # -- every process must run the same job from the same parameters ---------
     distributed.check_agree({
