@@ -294,6 +294,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         compilation), or an incompatible checkpoint.
       FloatingPointError: a skipped non-finite step when
         ``config.halt_on_nonfinite``.
+      OSError (or orbax's error): a checkpoint write failed; raised at the
+        next save or at the end of the loop (the previous checkpoints stay).
     """
     t_start = time.perf_counter()
     validate_config(config)
@@ -380,8 +382,8 @@ def _train_and_evaluate(config, workdir, data, compiles, cache, t_start):
                              "pip install 'trjax[tensorboard]'") from None
         tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
     with open(metrics_path, "a" if start_epoch > 1 or start_batch else "w") if lead \
-            else contextlib.nullcontext() as log, _finishing(ckpt, checkpoint_s), \
-            compiles.phase("train"), watchdog:
+            else contextlib.nullcontext() as log, compiles.phase("train"), watchdog, \
+            _finishing(ckpt, checkpoint_s):  # the last save is complete before the loop ends
         for epoch in range(start_epoch, config.num_epochs + 1):
             t0 = time.perf_counter()
             first = start_batch if epoch == start_epoch else 0
