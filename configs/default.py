@@ -65,6 +65,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.keep_checkpoints = 3
     c.resume = True                # continue from the newest readable checkpoint in WORKDIR
     c.halt_after_steps = 0         # >0: save and stop after this step (preemption drills, tests)
+    c.checkpoint_async = True      # write on a background thread from a host copy of the state;
+    #                                False: each save is on disk before the next step
+    # compilation (trjax.compilation)
+    c.compilation_cache = True     # JAX's persistent compilation cache: a second run loads
+    #                                what the first compiled; False: off for the process
+    c.compilation_cache_dir = ""   # "": a directory set in jax already (JAX_COMPILATION_CACHE_DIR),
+    #                                else $XDG_CACHE_HOME/trjax/xla or ~/.cache/trjax/xla
     # multi-host (jax.distributed): see scripts/launch_local.py for N processes on one machine
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator = ""         # "host:port" of process 0

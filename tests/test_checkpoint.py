@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from helpers import small_config, to_host
-from trjax.train import train_and_evaluate
+from trjax import checkpoint, compilation, input_pipeline
+from trjax.train import setup, train_and_evaluate
 
 
 def _bits(tree):
@@ -18,6 +19,7 @@ def test_resume_mid_epoch_is_bitwise_exact(tmp_path):
     full, s_full = train_and_evaluate(small_config(**cfg), str(tmp_path / "full"))
     part, s_part = train_and_evaluate(small_config(halt_after_steps=7, **cfg), str(tmp_path / "cut"))
     assert s_part["halted"] and s_part["steps"] == 7
+    assert s_part["checkpoint_async"] and s_part["checkpoint_io_compiles"] == 0
     assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["4", "7"]
     resumed, s_res = train_and_evaluate(small_config(**cfg), str(tmp_path / "cut"))
     assert s_res["steps"] == s_full["steps"] == 24
@@ -98,3 +100,76 @@ def test_incompatible_checkpoint_is_a_clear_error_before_compiling(tmp_path, mon
                                          r"model: checkpoint 'resnet8' vs config 'resnet20'"):
         train_and_evaluate(small_config(num_epochs=1, model="resnet20"), str(tmp_path))
     assert (tmp_path / "checkpoints" / "2").exists()
+
+
+def test_sync_saves_resume_bitwise_like_async(tmp_path):
+    cfg = dict(num_epochs=1, checkpoint_every_steps=3, halt_after_steps=5)
+    a, s_a = train_and_evaluate(small_config(**cfg), str(tmp_path / "async"))
+    b, s_b = train_and_evaluate(small_config(checkpoint_async=False, **cfg), str(tmp_path / "sync"))
+    assert not s_b["checkpoint_async"] and s_b["checkpoint_io_compiles"] == 0
+    restored = []
+    for d, st in (("async", a), ("sync", b)):
+        mngr = checkpoint.manager(str(tmp_path / d / "checkpoints"))
+        state, meta = checkpoint.restore_latest(mngr, st, {})
+        assert (meta["epoch"], meta["batch"]) == (1, 5)
+        assert _bits(state) == _bits(st)  # what was on the devices at the save, bit for bit
+        restored.append(state)
+    assert _bits(restored[0]) == _bits(restored[1])
+
+
+def test_async_save_does_not_read_buffers_the_next_step_donates(tmp_path):
+    tr = setup(small_config(num_epochs=1))
+    state = tr.state
+    data = tr.data
+    batch = next(input_pipeline.iterate_batches(data.train, 128, shuffle=True, seed=0, epoch=1))
+    on_device = lambda: input_pipeline.to_device(batch, tr.world.sharded(), data.num_classes,
+                                                 tr.dtype)
+    state, _ = tr.train_step(state, on_device())
+    expected = _bits(state)
+    mngr = checkpoint.manager(str(tmp_path), asynchronous=True)
+    with compilation.CompileLog("save") as log:
+        checkpoint.save(mngr, state, {"epoch": 1, "batch": 1})
+    assert log.count() == 0  # no slicing programs (orbax compiled 96 on device arrays)
+    for _ in range(3):  # donates the saved state's buffers while the writer may still run
+        state, _ = tr.train_step(state, on_device())
+    checkpoint.finish(mngr)
+    restored, meta = checkpoint.restore_latest(mngr, state, {})
+    assert _bits(restored) == expected and _bits(state) != expected
+
+
+def test_failed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    import orbax.checkpoint as ocp
+    real = ocp.type_handlers.NumpyHandler.serialize
+    calls = []
+
+    async def fail_second_save(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError("disk full (injected)")
+        return await real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "serialize", fail_second_save)
+    cfg = dict(num_epochs=1, checkpoint_every_steps=2, keep_checkpoints=1)
+    with pytest.raises(OSError, match="disk full"):
+        train_and_evaluate(small_config(**cfg), str(tmp_path))
+    assert sorted(os.listdir(tmp_path / "checkpoints"))[0] == "2"  # the failed one never replaced it
+    monkeypatch.setattr(ocp.type_handlers.NumpyHandler, "serialize", real)
+    capsys.readouterr()
+    _, s = train_and_evaluate(small_config(halt_after_steps=3, **cfg), str(tmp_path))
+    assert "resumed from step 2 (epoch 1, batch 2)" in capsys.readouterr().out
+    assert s["steps"] == 3
+
+
+def test_sharded_leaves_round_trip_through_the_host_copy(tmp_path):
+    # local BN statistics [world, C] and ZeRO-1 optimizer shards are per device:
+    # the host copy assembles them, the restore shards them again
+    tr = setup(small_config(bn_mode="local", shard_optimizer_state=True))
+    sharded = [x for x in jax.tree_util.tree_leaves(tr.state) if not x.is_fully_replicated]
+    assert sharded
+    mngr = checkpoint.manager(str(tmp_path))
+    checkpoint.save(mngr, tr.state, {"epoch": 1, "batch": 0})
+    checkpoint.finish(mngr)
+    restored, _ = checkpoint.restore_latest(mngr, tr.state, {})
+    assert _bits(restored) == _bits(tr.state)
+    for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(tr.state)):
+        assert a.sharding.is_equivalent_to(b.sharding, a.ndim)

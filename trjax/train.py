@@ -26,7 +26,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import aot, checkpoint, datasets, distributed, host, input_pipeline, models, optim, steps
+from trjax import aot, checkpoint, compilation, datasets, distributed, host, input_pipeline, models, optim, steps
 from trjax import config as config_lib
 from trjax import exchange as exchange_lib
 from trjax.metrics import METRICS, StepMetrics
@@ -34,24 +34,6 @@ from trjax.plan import build_plan, resolve_kernel_order
 from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
 from trjax.state import create_train_state
 from trjax.world import host_value, make_world
-
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-
-
-@contextlib.contextmanager
-def count_backend_compiles():
-    """Counts XLA backend compilations inside the ``with`` block (a list of one int)."""
-    count = [0]
-
-    def listener(event, duration, **kwargs):
-        if event == BACKEND_COMPILE_EVENT:
-            count[0] += 1
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield count
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @dataclasses.dataclass
@@ -226,6 +208,26 @@ def _progress(total: int, epoch: int, enabled: bool):
                 disable=not enabled, dynamic_ncols=True)
 
 
+@contextlib.contextmanager
+def _finishing(ckpt, seconds: list):
+    """On leaving the loop, waits for the checkpoint save in flight (so the
+    last save is complete before the process exits). If the loop raised, a
+    failed save is reported and the loop's error propagates."""
+    failed = True
+    try:
+        yield
+        failed = False
+    finally:
+        t = time.perf_counter()
+        try:
+            checkpoint.finish(ckpt)
+        except Exception as e:
+            if not failed:
+                raise
+            print(f"checkpoint save failed too: {type(e).__name__}: {e}", file=sys.stderr)
+        seconds[0] += time.perf_counter() - t
+
+
 @distributed.holds_workdir  # one live run per workdir (process 0 holds WORKDIR/trjax.lock)
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        data: input_pipeline.Dataset | None = None):
@@ -248,10 +250,18 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         compilation), or an incompatible checkpoint.
       FloatingPointError: a skipped non-finite step when
         ``config.halt_on_nonfinite``.
+      OSError (or orbax's error): a checkpoint write failed; raised at the
+        next save or at the end of the loop (the previous checkpoints stay).
       trjax.distributed.WorkdirBusy: another live run writes into ``workdir``.
     """
     t_start = time.perf_counter()
     prepared = prepare(config, data)
+    cache = compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
+    with compilation.CompileLog("startup") as compiles:  # every executable built, by phase
+        return _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start)
+
+
+def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     ckpt_dir = os.path.join(workdir, "checkpoints")
     # the exchange names what its state's layout depends on (e.g. the kernel order)
     expect = {**{k: config[k] for k in checkpoint.COMPATIBLE_FIELDS},
@@ -259,7 +269,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if config.resume and os.path.isdir(ckpt_dir):  # incompatible: an error before compiling
         checkpoint.check_compatible(checkpoint.manager(ckpt_dir, config.keep_checkpoints), expect)
     tr = setup(config, prepared=prepared)
-    ckpt = checkpoint.manager(ckpt_dir, config.keep_checkpoints)  # only once the setup is valid
+    for c in tr.compiled:  # setup's builds of each step's program, filed under its name
+        compiles.refile("startup", compilation.step_program(c), c.name)
+    ckpt = checkpoint.manager(ckpt_dir, config.keep_checkpoints,  # only once the setup is valid
+                              asynchronous=config.checkpoint_async)
     world, data, plan, schedule, state = tr.world, tr.data, tr.plan, tr.schedule, tr.state
     train_step = tr.train_step
     steps_per_epoch = tr.steps_per_epoch
@@ -274,6 +287,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
                                 for b, n in plan.bucket_elements.items()) +
         f"; compile {sum(c.compile_s for c in tr.compiled):.1f}s")
+    say(f"compilation cache: {compilation.cache_dir() or 'off'} (start-up: "
+        f"{sum(not b.compiled for b in compiles.builds)} programs loaded, "
+        f"{sum(b.compiled for b in compiles.builds)} compiled)")
 
     # -- every process must run the same job from the same parameters ---------
     distributed.check_agree({
@@ -285,20 +301,22 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     # -- checkpoints and resume ---------------------------------------------
     start_epoch, start_batch = 1, 0
     if config.resume:
-        restored = checkpoint.restore_latest(ckpt, state, expect, log=say)
+        with compiles.phase("restore"):
+            restored = checkpoint.restore_latest(ckpt, state, expect, log=say)
         if restored is not None:
             state, meta = restored
             start_epoch, start_batch = int(meta["epoch"]), int(meta["batch"])
             say(f"resumed from step {int(host_value(state.step))} "
                 f"(epoch {start_epoch}, batch {start_batch})")
 
-    io_compiles = [0]  # orbax compiles small slicing programs on its first save
+    checkpoint_s = [0.0]  # the training thread's time in saves (host copy, waits)
 
     def save(epoch: int, batch: int) -> None:
-        before = loop_compiles[0]
-        checkpoint.save(ckpt, state, {**expect, "epoch": epoch, "batch": batch,
-                                      "world_size": world.world_size})
-        io_compiles[0] += loop_compiles[0] - before
+        t = time.perf_counter()
+        with compiles.phase("checkpoint"):
+            checkpoint.save(ckpt, state, {**expect, "epoch": epoch, "batch": batch,
+                                          "world_size": world.world_size})
+        checkpoint_s[0] += time.perf_counter() - t
 
     rows = world.process_rows()
     lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
@@ -319,8 +337,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                              "pip install 'trjax[tensorboard]'") from None
         tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
     with open(metrics_path, "a" if start_epoch > 1 or start_batch else "w") if lead \
-            else contextlib.nullcontext() as log, count_backend_compiles() as loop_compiles, \
-            watchdog:
+            else contextlib.nullcontext() as log, compiles.phase("train"), watchdog, \
+            _finishing(ckpt, checkpoint_s):  # the last save is complete before the loop ends
         for epoch in range(start_epoch, config.num_epochs + 1):
             t0 = time.perf_counter()
             first = start_batch if epoch == start_epoch else 0
@@ -355,7 +373,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                 save(epoch, b) if b < steps_per_epoch else save(epoch + 1, 0)
                 say(f"halted after step {step_index} (config.halt_after_steps); checkpoint saved")
                 break
-            val = evaluate_pass(tr, state)
+            with compiles.phase("evaluate"):
+                val = evaluate_pass(tr, state)
             save(epoch + 1, 0)
             watchdog.beat(step_index)
             row = {"epoch": epoch, "step": step_index,
@@ -379,7 +398,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if tb is not None:
         tb.close()
     if val is None:  # resumed at the very end, or halted before any evaluation
-        val = evaluate_pass(tr, state)
+        with compiles.phase("evaluate"):
+            val = evaluate_pass(tr, state)
+    loop_phases = ("train", "evaluate", "checkpoint", compilation.BACKGROUND)
     summary = {
         "val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
         "val_examples": val["count"],
@@ -394,10 +415,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         "skipped_step_numbers": reader.skipped,
         "loss_scale": float(host_value(state.loss_scale)),
         "train_images_per_s": train_images / train_time if train_time else 0.0,
-        "compiles": {c.name: 1 for c in tr.compiled},
-        "compiles_during_training": loop_compiles[0] - io_compiles[0],
-        "checkpoint_io_compiles": io_compiles[0],
+        # measured: executables built (compiled by XLA or loaded from the cache)
+        "compiles": {c.name: compiles.count(c.name) for c in tr.compiled},
+        "compiles_during_training": compiles.count(loop_phases),
+        "checkpoint_io_compiles": compiles.count(("checkpoint", "restore")),
+        "compiles_by_phase": compiles.by_phase(),
+        "compilation_cache": {**compiles.cache_summary(), "source": cache["source"]},
         "compile_s": {c.name: round(c.compile_s, 3) for c in tr.compiled},
+        "checkpoint_async": bool(config.checkpoint_async),
+        "checkpoint_blocking_s": round(checkpoint_s[0], 3),
         "memory_plan": plan.describe(),
         "wall_s": time.perf_counter() - t_start,
     }

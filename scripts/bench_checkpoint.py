@@ -1,0 +1,72 @@
+"""Checkpoint saves of the default job's state, side by side in one process.
+
+  python scripts/bench_checkpoint.py [--saves 6] [--gap_s 0.3]
+
+Variants: orbax handed the replicated device arrays and waited on (trjax before
+issue 14), a host copy saved synchronously, a host copy saved asynchronously
+(the time until ``save`` returns). For each: the first save's seconds, the
+median of the later ones, and the programs jax built during the saves
+(``trjax.compilation.CompileLog``). ``--gap_s`` stands for the training steps
+an asynchronous write overlaps with.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # trjax, configs
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--saves", type=int, default=6)
+    p.add_argument("--gap_s", type=float, default=0.3)
+    args = p.parse_args()
+    from configs import default
+    from trjax import host
+    config = default.get_config()
+    host.configure_cpu(config.cpu_devices, config.cpu_convolutions)
+    import flax
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from trjax import checkpoint, compilation, train
+
+    state = train.setup(config).state
+
+    def device_arrays_sync(m, st):
+        m.save(int(st.step), args=ocp.args.Composite(
+            state=ocp.args.StandardSave(flax.serialization.to_state_dict(st)),
+            meta=ocp.args.JsonSave({})), force=True)
+        m.wait_until_finished()
+
+    def host_copy_sync(m, st):
+        checkpoint.save(m, st, {})
+        checkpoint.finish(m)
+
+    variants = {"device arrays, sync (before)": (False, device_arrays_sync),
+                "host copy, sync": (False, host_copy_sync),
+                "host copy, async (until save returns)": (True, lambda m, st: checkpoint.save(m, st, {}))}
+    results = {}
+    for name, (asynchronous, save) in variants.items():
+        mngr = checkpoint.manager(tempfile.mkdtemp(), asynchronous=asynchronous)
+        seconds, built = [], []
+        for i in range(args.saves):
+            st = state.replace(step=state.step + i + 1)
+            with compilation.CompileLog() as log:
+                t = time.perf_counter()
+                save(mngr, st)
+                seconds.append(time.perf_counter() - t)
+            built.append(log.count())
+            time.sleep(args.gap_s)
+        checkpoint.finish(mngr)
+        results[name] = {"first_s": round(seconds[0], 3),
+                         "later_s_median": round(float(np.median(seconds[1:])), 3),
+                         "programs_first_save": built[0], "programs_later": sum(built[1:])}
+        print(name, results[name], flush=True)
+    print(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""trjax.compilation: the persistent cache set-up and compile events filed by phase."""
+import functools
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+from helpers import small_config
+from trjax import aot, compilation, input_pipeline
+from trjax.train import train_and_evaluate
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+@pytest.fixture
+def restore_jax_cache():
+    """configure_cache changes process-wide jax settings: put the session's back."""
+    keys = ("jax_compilation_cache_dir", "jax_enable_compilation_cache",
+            "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    yield
+    for k, v in saved.items():
+        jax.config.update(k, v)
+    jax_cache.reset_cache()
+
+
+def _fresh_compile(x):
+    """A new jit object each call: jax lowers again and asks the backend (or the
+    persistent cache) for the executable; jax's in-memory caches do not answer."""
+    return jax.jit(lambda v: jnp.sin(v) * 3.0 + 1.0).lower(x).compile()
+
+
+def test_program_key_matches_event_and_module_names():
+    assert compilation.program_key("jit(<lambda>)") == compilation.program_key("jit__lambda")
+    assert compilation.program_key("jit(local_step)") == "jit_local_step"
+    assert compilation.program_key("jit(local_step)") != compilation.program_key("jit(local_fold)")
+
+
+def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert compilation.default_cache_dir() == str(tmp_path / "trjax" / "xla")
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert compilation.default_cache_dir() == os.path.expanduser("~/.cache/trjax/xla")
+
+
+def test_cache_miss_then_hit_filed_by_phase_and_thread(tmp_path, restore_jax_cache):
+    session_dir = jax.config.jax_compilation_cache_dir
+    assert compilation.configure_cache(True, "")["source"] == "jax"  # the session's dir is kept
+    assert jax.config.jax_compilation_cache_dir == session_dir
+    info = compilation.configure_cache(True, str(tmp_path / "xla"))
+    assert info == {"dir": str(tmp_path / "xla"), "source": "config"}
+    x = np.arange(7, dtype=np.float32)
+    with compilation.CompileLog("startup") as log:
+        with log.phase("a"):
+            _fresh_compile(x)  # empty cache: compiled and written
+        with log.phase("b"):
+            _fresh_compile(x)  # same program: loaded
+        t = threading.Thread(target=_fresh_compile, args=(x,))
+        t.start()
+        t.join()
+    _fresh_compile(x)  # after the log closed: not recorded
+    assert [(b.phase, b.cache) for b in log.builds] == [("a", "miss"), ("b", "hit"),
+                                                        (compilation.BACKGROUND, "hit")]
+    assert log.writes == 1 and os.listdir(tmp_path / "xla")
+    by = log.by_phase()
+    assert by["a"]["compiled"] == 1 and by["b"] == {**by["b"], "built": 1, "compiled": 0,
+                                                    "cache_hits": 1}
+    s = log.cache_summary()
+    assert (s["hits"], s["misses"], s["writes"], s["dir"]) == (2, 1, 1, str(tmp_path / "xla"))
+    assert log.count("b") == 1 and log.count(None, program="jit(<lambda>)") == 3
+
+    assert compilation.configure_cache(False) == {"dir": None, "source": "off"}
+    with compilation.CompileLog() as off:
+        _fresh_compile(x)  # in the cache, but the cache is off: compiled
+    assert [b.cache for b in off.builds] == ["off"] and compilation.cache_dir() is None
+
+
+def test_configure_cache_rejects_bad_values():
+    with pytest.raises(ValueError, match="compilation_cache='yes' must be True or False"):
+        compilation.configure_cache("yes")
+    with pytest.raises(ValueError, match="compilation_cache_dir=3 must be a path"):
+        compilation.configure_cache(True, 3)
+
+
+def _train_script(workdir, cache_dir):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+           "--config", os.path.join(ROOT, "configs", "default.py"), "--workdir", str(workdir),
+           "--config.model=resnet8", "--config.num_epochs=1", "--config.cpu_devices=2",
+           "--config.progress=False", f"--config.compilation_cache_dir={cache_dir}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    return json.loads((workdir / "summary.json").read_text())
+
+
+def test_second_process_with_the_same_cache_compiles_nothing(tmp_path):
+    cache = tmp_path / "xla"
+    cold = _train_script(tmp_path / "cold", cache)
+    warm = _train_script(tmp_path / "warm", cache)
+    step_names = ("train_step", "fold_bn", "eval_step", "eval_reduce")
+    for s in (cold, warm):
+        assert s["compilation_cache"]["dir"] == str(cache)
+        assert s["compilation_cache"]["source"] == "config"
+        assert s["compiles"] == {n: 1 for n in step_names}
+        assert s["compiles_during_training"] == 0 and s["checkpoint_io_compiles"] == 0
+    assert all(cold["compiles_by_phase"][n]["compiled"] == 1 for n in step_names)
+    assert cold["compilation_cache"]["misses"] > 0 and cold["compilation_cache"]["writes"] > 0
+    # a fresh process: every program comes from the cache, steps and start-up alike
+    for n in step_names:
+        assert warm["compiles_by_phase"][n] == {**warm["compiles_by_phase"][n], "built": 1,
+                                                "compiled": 0, "cache_hits": 1}
+    assert warm["compilation_cache"]["misses"] == 0 and warm["compilation_cache"]["writes"] == 0
+    assert warm["compilation_cache"]["hits"] == sum(
+        p["built"] for p in warm["compiles_by_phase"].values())
+    assert warm["compilation_cache"]["compile_s"] == 0.0
+
+
+def test_summary_counts_are_measured_a_forced_compile_shows(tmp_path, monkeypatch):
+    real_compile_step, real_to_device = aot.compile_step, input_pipeline.to_device
+
+    def compile_train_step_twice(name, fn, *args, **kwargs):
+        if name == "train_step":  # the same program under a new function object: built again
+            real_compile_step(name, functools.wraps(fn)(lambda *a: fn(*a)), *args, **kwargs)
+        return real_compile_step(name, fn, *args, **kwargs)
+
+    forced = []
+
+    def to_device_with_a_compile(*args, **kwargs):
+        if not forced:  # one new program in the training loop
+            forced.append(_fresh_compile(np.arange(5, dtype=np.float32)))
+        return real_to_device(*args, **kwargs)
+
+    monkeypatch.setattr(aot, "compile_step", compile_train_step_twice)
+    monkeypatch.setattr(input_pipeline, "to_device", to_device_with_a_compile)
+    _, s = train_and_evaluate(small_config(num_epochs=1, halt_after_steps=2), str(tmp_path))
+    assert s["compiles"] == {"train_step": 2, "fold_bn": 1, "eval_step": 1, "eval_reduce": 1}
+    assert s["compiles_during_training"] == 1
+    assert s["compiles_by_phase"]["train"]["built"] == 1
+    assert "evaluate" not in s["compiles_by_phase"] and s["checkpoint_io_compiles"] == 0

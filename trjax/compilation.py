@@ -1,0 +1,249 @@
+"""Compilation: JAX's persistent compilation cache, and every compile counted by phase.
+
+Persistent cache (:func:`configure_cache`). JAX can store each compiled
+executable on disk under a key of the program, the devices and the compile
+options, and load it instead of compiling the next time the same program is
+built, in any process. trjax turns it on by default in a folder of the user's
+cache directory (``$XDG_CACHE_HOME/trjax/xla``, else ``~/.cache/trjax/xla``),
+so a second run of a config compiles nothing the first compiled. jax writes an
+entry only for programs that took ``jax_persistent_cache_min_compile_time_secs``
+(default 1 s) to compile; trjax lowers that to 0, so the small programs (state
+initialisation pieces, BN folding, the eval reduction) are loaded too. A cache
+directory already set (``JAX_COMPILATION_CACHE_DIR``, ``jax.config.update``,
+the test session) is kept as it is, with its thresholds.
+
+Compile events (:class:`CompileLog`). jax reports every executable it builds
+through ``jax.monitoring``: ``/jax/core/compile/backend_compile_duration``
+(seconds, with the program's name ``fun_name``) around each build, whether
+XLA compiled it or it was loaded from the persistent cache; inside it, on the
+same thread, ``/jax/compilation_cache/compile_requests_use_cache`` when the
+cache was looked up and ``/jax/compilation_cache/cache_hits`` when the entry
+was found (``/jax/compilation_cache/cache_misses`` is jax's name for an entry
+*written*). ``CompileLog`` listens to them while open and files each build
+under the phase the training thread is in (``with log.phase("train"):``);
+builds on other threads (an asynchronous checkpoint writer) are filed under
+``"background"``. Source of the event names: ``jax/_src/dispatch.py``,
+``jax/_src/compiler.py`` (``compile_or_get_cached``),
+``jax/_src/compilation_cache.py``.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import re
+import threading
+
+import jax
+from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
+CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
+CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # recorded when an entry is written
+BACKGROUND = "background"
+
+
+def default_cache_dir() -> str:
+    """``$XDG_CACHE_HOME/trjax/xla``, else ``~/.cache/trjax/xla``."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "trjax", "xla")
+
+
+def cache_dir() -> str | None:
+    """The persistent cache directory in effect in this process, or ``None`` when off."""
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    return jax.config.jax_compilation_cache_dir or None
+
+
+def configure_cache(enabled: bool = True, directory: str = "") -> dict:
+    """Turns JAX's persistent compilation cache on (or off) for this process.
+
+    Call it before the first compile whose result should be stored or loaded
+    (it may come after the backend started). Precedence for the directory: an
+    explicit ``directory``; else a directory already set in jax (environment
+    ``JAX_COMPILATION_CACHE_DIR``, ``jax.config``, a test session), kept with
+    its thresholds untouched; else :func:`default_cache_dir`. When trjax picks
+    the directory it also sets ``jax_persistent_cache_min_compile_time_secs``
+    to 0 so that every program is stored, not only those taking over 1 s.
+
+    Args:
+      enabled: ``config.compilation_cache``; False turns the cache off for the
+        process (also a cache another caller turned on).
+      directory: ``config.compilation_cache_dir``; ``""`` for the default.
+
+    Returns:
+      ``{"dir": path or None, "source": "config" | "jax" | "default" | "off"}``.
+
+    Raises:
+      ValueError: ``enabled`` is not a bool, or ``directory`` is not a string.
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"config.compilation_cache={enabled!r} must be True or False")
+    if not isinstance(directory, str):
+        raise ValueError(f"config.compilation_cache_dir={directory!r} must be a path string "
+                         "('' for the default under the user's cache directory)")
+    if not enabled:
+        if jax.config.jax_enable_compilation_cache:
+            jax.config.update("jax_enable_compilation_cache", False)
+            jax_cache.reset_cache()  # jax decides once per process whether to use it
+        return {"dir": None, "source": "off"}
+    current = jax.config.jax_compilation_cache_dir
+    if directory:
+        path, source = os.path.abspath(os.path.expanduser(directory)), "config"
+    elif current:
+        path, source = current, "jax"
+    else:
+        path, source = default_cache_dir(), "default"
+    if source != "jax":
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    if path != current or not jax.config.jax_enable_compilation_cache:
+        jax.config.update("jax_enable_compilation_cache", True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax_cache.reset_cache()  # a cache opened on another directory would be kept otherwise
+    return {"dir": path, "source": source}
+
+
+def program_key(name: str) -> str:
+    """A program's name as jax's compile event and its module name both reduce to:
+    ``"jit(<lambda>)"`` and ``"jit__lambda"`` -> ``"jit_lambda"``."""
+    return re.sub(r"[\W_]+", "_", name).strip("_")
+
+
+@dataclasses.dataclass(frozen=True)
+class Build:
+    """One executable built: ``phase``, ``program`` (jax's name for it),
+    ``seconds`` (wall), ``cache``: ``"hit"`` (loaded from the persistent cache),
+    ``"miss"`` (looked up, not found, compiled) or ``"off"`` (compiled, no cache)."""
+    phase: str
+    program: str
+    seconds: float
+    cache: str
+
+    @property
+    def compiled(self) -> bool:
+        """True when XLA compiled it (not loaded from the cache)."""
+        return self.cache != "hit"
+
+
+class CompileLog:
+    """Every executable jax builds while the log is open, filed by phase.
+
+    Use as a context manager (registers the ``jax.monitoring`` listeners on
+    entry, removes them on exit); ``with log.phase(name):`` sets the phase of
+    builds on the thread that opened the log (phases nest; the innermost
+    counts). Builds on other threads are filed under ``"background"``.
+
+    Attributes:
+      builds: list of :class:`Build`, in event order.
+      writes: persistent cache entries written.
+    """
+
+    def __init__(self, phase: str = "startup"):
+        self.builds: list[Build] = []
+        self.writes = 0
+        self._phases = [phase]
+        self._owner = threading.get_ident()
+        self._pending = threading.local()
+        self._lock = threading.Lock()
+
+    def _event(self, event: str, **kwargs) -> None:
+        if event in (CACHE_LOOKUP_EVENT, CACHE_HIT_EVENT):
+            setattr(self._pending, "hit" if event == CACHE_HIT_EVENT else "lookup", True)
+        elif event == CACHE_WRITE_EVENT:
+            with self._lock:
+                self.writes += 1
+
+    def _duration(self, event: str, duration: float, **kwargs) -> None:
+        if event != BACKEND_COMPILE_EVENT:
+            return
+        hit = getattr(self._pending, "hit", False)
+        lookup = getattr(self._pending, "lookup", False)
+        self._pending.hit = self._pending.lookup = False
+        cache = "hit" if hit else ("miss" if lookup and cache_dir() else "off")
+        phase = self._phases[-1] if threading.get_ident() == self._owner else BACKGROUND
+        with self._lock:
+            self.builds.append(Build(phase, str(kwargs.get("fun_name", "")), float(duration), cache))
+
+    def __enter__(self) -> "CompileLog":
+        jax.monitoring.register_event_listener(self._event)
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        jax.monitoring.unregister_event_listener(self._event)
+        jax.monitoring.unregister_event_duration_listener(self._duration)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Files the opening thread's builds inside the block under ``name``."""
+        self._phases.append(name)
+        try:
+            yield self
+        finally:
+            self._phases.pop()
+
+    def refile(self, phase: str, program: str, to_phase: str) -> None:
+        """Moves the builds of ``program`` (by :func:`program_key`) filed under
+        ``phase`` to ``to_phase`` (e.g. a compiled step's builds out of start-up)."""
+        key = program_key(program)
+        with self._lock:
+            self.builds = [dataclasses.replace(b, phase=to_phase)
+                           if b.phase == phase and program_key(b.program) == key else b
+                           for b in self.builds]
+
+    def count(self, phases=None, program: str | None = None) -> int:
+        """Executables built (compiled or loaded) in ``phases`` (a name or a
+        collection; all when None) whose program is ``program`` (any when None,
+        compared by :func:`program_key`)."""
+        return len(self._select(phases, program))
+
+    def _select(self, phases, program):
+        if isinstance(phases, str):
+            phases = (phases,)
+        key = None if program is None else program_key(program)
+        return [b for b in list(self.builds) if (phases is None or b.phase in phases)
+                and (key is None or program_key(b.program) == key)]
+
+    def by_phase(self) -> dict[str, dict]:
+        """``{phase: {"built", "compiled", "cache_hits", "seconds"}}`` in
+        order of first appearance: executables built, those XLA compiled, those
+        loaded from the persistent cache, wall seconds of all builds."""
+        out: dict[str, dict] = collections.OrderedDict()
+        for b in list(self.builds):
+            row = out.setdefault(b.phase, {"built": 0, "compiled": 0, "cache_hits": 0,
+                                           "seconds": 0.0})
+            row["built"] += 1
+            row["compiled"] += b.compiled
+            row["cache_hits"] += not b.compiled
+            row["seconds"] += b.seconds
+        for row in out.values():
+            row["seconds"] = round(row["seconds"], 3)
+        return dict(out)
+
+    def cache_summary(self) -> dict:
+        """``{"dir", "hits", "misses", "writes", "compile_s", "load_s"}``: the
+        persistent cache over the whole log (``misses``: looked up, not found,
+        compiled; ``compile_s``: seconds XLA compiled; ``load_s``: seconds of
+        the builds served from the cache)."""
+        builds = list(self.builds)
+        return {"dir": cache_dir(),
+                "hits": sum(b.cache == "hit" for b in builds),
+                "misses": sum(b.cache == "miss" for b in builds),
+                "writes": self.writes,
+                "compile_s": round(sum(b.seconds for b in builds if b.compiled), 3),
+                "load_s": round(sum(b.seconds for b in builds if not b.compiled), 3)}
+
+
+def step_program(step) -> str:
+    """The program name jax reports for a :class:`trjax.aot.CompiledStep`
+    (from its lowered module, ``module @jit_local_step``)."""
+    text = getattr(step, "lowered_text", "") or step.compiled.as_text()
+    m = re.search(r"(?:module|HloModule)\s+@?([\w.$-]+)", text)
+    if m is None:
+        raise ValueError(f"{step.name}: no module name in its lowered text")
+    return m.group(1)
