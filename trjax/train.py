@@ -26,7 +26,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import (allreduce, checkpoint, compression, datasets, distributed, host,
+from trjax import (allreduce, checkpoint, compression, distributed, host,
                    input_pipeline, models, optim, steps)
 from trjax.batchnorm import BN_MODES
 from trjax.plan import KERNEL_ORDERS, resolve_kernel_order
@@ -134,13 +134,16 @@ def setup(config: ml_collections.ConfigDict,
                          f"local batch {world.local_batch_size} (global {world.global_batch_size}"
                          f" / world size {world.world_size})")
     if data is None:
-        data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size)
+        data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size,
+                                           verify=config.verify_images,
+                                           skip_bad_images=config.skip_bad_images)
+    input_pipeline.resolve_workers(config.data_workers, data.train)  # a bad value: error now
 
     dtype = compute_dtype(config.precision)
     fp16 = config.precision == "fp16"
     model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
-                                dtype=dtype)
+                                dtype=dtype, input_mean=data.mean, input_std=data.std)
     plan = steps.build_plan(model, data.image_shape, config.buckets,
                             resolve_kernel_order(config.bucket_kernel_order,
                                                        world.devices[0].platform))
@@ -181,7 +184,8 @@ def setup(config: ml_collections.ConfigDict,
                                      plan=plan, compressor=compressor, zero1=zero1)
 
     def example(n):
-        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape, dtype,
+        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
+                                              input_pipeline.device_image_dtype(data.image_dtype, dtype),
                                               sharding=world.sharded()),
                 "label": jax.ShapeDtypeStruct((n,), np.int32, sharding=world.sharded()),
                 "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
@@ -206,7 +210,7 @@ def setup(config: ml_collections.ConfigDict,
                    eval_step, eval_reduce, train_steps, dtype)
 
 
-def evaluate_pass(tr: Trainer, state) -> dict:
+def evaluate_pass(tr: Trainer, state, skipped: set | None = None) -> dict:
     """One validation pass: fold BN once, accumulate per device, ONE all-reduce.
 
     Returns ``{"loss", "top1", "top5", "count", "sums"}``: global sums over the
@@ -217,9 +221,10 @@ def evaluate_pass(tr: Trainer, state) -> dict:
     folded = tr.fold_bn(state)
     acc = world.put(np.zeros((world.world_size, 4), np.float32), world.sharded())
     rows = world.process_rows(tr.config.eval_batch_size)
-    for batch in datasets.prefetch(input_pipeline.iterate_batches(
+    for batch in input_pipeline.prefetch(input_pipeline.iterate_batches(
             tr.data.val, tr.config.eval_batch_size, shuffle=False, rows=rows,
-            image_shape=tr.data.image_shape), depth=tr.config.prefetch):
+            image_shape=tr.data.image_shape, workers=tr.config.data_workers, skipped=skipped),
+            depth=tr.config.prefetch):
         acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
             batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
     sums = host_value(tr.eval_reduce(acc))
@@ -347,6 +352,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         io_compiles[0] += loop_compiles[0] - before
 
     rows = world.process_rows()
+    skipped: set = set()  # undecodable files skipped (config.skip_bad_images)
     lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
     history, train_time, train_images = [], 0.0, 0
     reader = MetricsReader(config.metrics_lag, config.halt_on_nonfinite,
@@ -371,10 +377,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
             t0 = time.perf_counter()
             first = start_batch if epoch == start_epoch else 0
             step_index = (epoch - 1) * steps_per_epoch + first
-            batches = datasets.prefetch(input_pipeline.iterate_batches(
+            batches = input_pipeline.prefetch(input_pipeline.iterate_batches(
                 data.train, world.global_batch_size, shuffle=True, seed=config.seed, epoch=epoch,
                 remainder=config.train_remainder, rows=rows, start=first,
-                augment=config.augment, image_shape=data.image_shape), depth=config.prefetch)
+                augment=config.augment, image_shape=data.image_shape,
+                workers=config.data_workers, skipped=skipped), depth=config.prefetch)
             with _progress(steps_per_epoch - first, epoch, show_bar) as bar:
                 for b, batch in enumerate(batches, start=first + 1):
                     step_index += 1
@@ -401,7 +408,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                 save(epoch, b) if b < steps_per_epoch else save(epoch + 1, 0)
                 say(f"halted after step {step_index} (config.halt_after_steps); checkpoint saved")
                 break
-            val = evaluate_pass(tr, state)
+            val = evaluate_pass(tr, state, skipped)
             save(epoch + 1, 0)
             watchdog.beat(step_index)
             row = {"epoch": epoch, "step": step_index,
@@ -425,7 +432,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     if tb is not None:
         tb.close()
     if val is None:  # resumed at the very end, or halted before any evaluation
-        val = evaluate_pass(tr, state)
+        val = evaluate_pass(tr, state, skipped)
     summary = {
         "val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
         "val_examples": val["count"],
@@ -438,6 +445,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         "steps": int(host_value(state.step)), "halted": halted,
         "skipped_steps": int(host_value(state.skipped_steps)),
         "skipped_step_numbers": reader.skipped,
+        "skipped_images": len(input_pipeline.skipped_images(data, skipped)),
         "loss_scale": float(host_value(state.loss_scale)),
         "train_images_per_s": train_images / train_time if train_time else 0.0,
         "compiles": {c.name: 1 for c in tr.compiled},
