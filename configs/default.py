@@ -14,8 +14,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.dataset = "digits"           # or cifar10, cifar100, mnist, fashion_mnist, imagefolder
     c.data_dir = ""                # folder of a data set on disk (not needed for digits)
     c.image_size = 224             # imagefolder only: train/eval crop size
-    c.augment = False              # random crop + flip (RandomResizedCrop for imagefolder)
+    c.augment = False              # random crop (4 px zero padding) + flip; RandomResizedCrop
+    #                                + flip for imagefolder; per (seed, epoch, example)
     c.prefetch = 2                 # batches prepared ahead on a host thread
+    c.data_workers = -1            # imagefolder: decode in N worker processes (grain, the
+    #                                'grain' extra); -1: the cores available (in this process
+    #                                when grain is missing); 0: in this process. Same batches.
+    c.verify_images = False        # imagefolder: decode every file once before training; a bad
+    #                                file is an error naming it (or skipped, see below)
+    c.skip_bad_images = False      # imagefolder: skip undecodable files (row masked out),
+    #                                count them in summary.json "skipped_images"
     c.train_remainder = "pad"      # "pad" (mask-0 rows, every example once) or "drop"
     # world
     c.devices = "all"              # "all", a count "4", a range "0-3", a list "0,2,5"

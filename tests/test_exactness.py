@@ -14,7 +14,8 @@ from trjax.train import evaluate_pass, setup as setup_trainer, train_and_evaluat
 def _digits_subset(n_train, n_val):
     d = ip.load_digits()
     return ip.Dataset(ip.Split(d.train.images[:n_train], d.train.labels[:n_train]),
-                      ip.Split(d.val.images[:n_val], d.val.labels[:n_val]), 10, "digits-subset")
+                      ip.Split(d.val.images[:n_val], d.val.labels[:n_val]), 10, "digits-subset",
+                      mean=d.mean, std=d.std)
 
 
 def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4():
@@ -27,7 +28,8 @@ def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4():
         assert r["count"] == 10  # 3 batches, the last padded with 2 masked rows
         # against a host computation over the 10 real examples
         from trjax import models
-        m = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None)
+        m = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None,
+                                input_mean=data.mean, input_std=data.std)
         logits = m.apply({"params": to_host(tr.state.params),
                           "batch_stats": to_host(tr.state.batch_stats)}, data.val.images,
                          train=False)

@@ -2,7 +2,6 @@
 import ast
 import os
 
-import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trjax")
 
@@ -53,14 +52,8 @@ def test_the_cycle_finder_finds_cycles():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-# input_pipeline <-> datasets (imports inside functions) is being untangled in its own branch
-# (issue 12, "data imports one way"); the strict xfail below flips once that lands.
-DATA_CYCLE = ("input_pipeline", "datasets")
-
-
 def test_no_import_cycle_between_trjax_modules():
     graph = import_graph()
-    graph[DATA_CYCLE[0]] = graph[DATA_CYCLE[0]] - {DATA_CYCLE[1]}
     assert {"steps", "exchange", "state", "aot", "plan", "config"} <= set(graph)
     assert find_cycle(graph) is None, " -> ".join(find_cycle(graph))
 
@@ -73,6 +66,9 @@ def test_core_modules_do_not_reach_back_to_the_loop():
     assert "train" not in graph["report"]  # the report takes a built trainer
 
 
-@pytest.mark.xfail(strict=True, reason="input_pipeline and datasets import each other (data branch)")
 def test_data_modules_import_one_way():
-    assert find_cycle(import_graph()) is None
+    """Sources (datasets, formats, imagefolder) feed the pipeline, never the reverse."""
+    graph = import_graph()
+    for source in ("datasets", "formats", "imagefolder"):
+        assert not graph[source] & {"input_pipeline", "augment"}, (source, graph[source])
+    assert "datasets" in graph["input_pipeline"]

@@ -1,39 +1,198 @@
+"""The pipeline (trjax.input_pipeline): batches, determinism over splits and workers,
+resume, bad files, prefetch, normalisation and the host->device boundary."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from PIL import Image
 
+from trjax import augment
+from trjax import datasets as ds
 from trjax import input_pipeline as ip
+from trjax import models
 from trjax.world import make_world
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def test_digits_split_is_fixed_and_real():
-    d = ip.load_digits()
-    assert d.train.images.shape == (1437, 8, 8, 1) and d.val.images.shape == (360, 8, 8, 1)
-    assert d.num_classes == 10 and set(np.unique(d.val.labels)) == set(range(10))
-    d2 = ip.load_digits()
-    np.testing.assert_array_equal(d.val.labels, d2.val.labels)
+
+def _jpeg_folder(root, n_per_class=6, classes=("a", "b", "c")):
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in classes:
+            (root / split / c).mkdir(parents=True)
+            for i in range(n_per_class):
+                h, w = rng.integers(20, 48, 2)
+                Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(
+                    root / split / c / f"{i}.jpg", quality=85)
+    return ds.load_dataset("imagefolder", str(root), image_size=16)
+
+
+def _epoch(split, g, rows=None, **kw):
+    kw = {"shuffle": True, "seed": 3, "epoch": 2, "augment": True, "image_shape": (16, 16, 3), **kw}
+    return list(ip.iterate_batches(split, g, rows=rows, **kw))
+
+
+def _assert_same(xs, ys):
+    assert len(xs) == len(ys)
+    for x, y in zip(xs, ys):
+        assert x.keys() == y.keys()
+        for k in x:
+            assert x[k].dtype == y[k].dtype
+            np.testing.assert_array_equal(x[k], y[k])
 
 
 def test_batches_pad_and_mask_every_example_once():
-    split = ip.Split(np.arange(10, dtype=np.float32).reshape(10, 1, 1, 1), np.arange(10, dtype=np.int32))
+    split = ip.Split(np.arange(10, dtype=np.uint8).reshape(10, 1, 1, 1), np.arange(10, dtype=np.int32))
     batches = list(ip.iterate_batches(split, 4, shuffle=True, seed=1, epoch=3))
     assert len(batches) == 3 and all(b["image"].shape == (4, 1, 1, 1) for b in batches)
     assert batches[-1]["mask"].tolist() == [1, 1, 0, 0]
     seen = np.concatenate([b["label"][b["mask"] > 0] for b in batches])
     assert sorted(seen.tolist()) == list(range(10))
-    again = list(ip.iterate_batches(split, 4, shuffle=True, seed=1, epoch=3))
-    assert all((a["label"] == b["label"]).all() for a, b in zip(batches, again))
+    np.testing.assert_array_equal(np.concatenate([b["image"].ravel() for b in batches])[:10],
+                                  np.random.default_rng((1, 3)).permutation(10))
     assert len(list(ip.iterate_batches(split, 4, shuffle=False, remainder="drop"))) == 2
 
 
-def test_to_device_checks_and_casts():
+@pytest.mark.parametrize("source", ["digits", "imagefolder"])
+def test_any_process_by_device_split_gives_the_same_global_batch(tmp_path, source):
+    """1x8, 2x4, 4x2 processes x devices: each process loads only its rows (ranks are
+    contiguous per process, local batch G / 8); concatenated they are the 1-process batch."""
+    data = ds.load_digits() if source == "digits" else _jpeg_folder(tmp_path)
+    g = 16
+    whole = _epoch(data.train, g)
+    assert any((b["image"][0] != b["image"][1]).any() for b in whole)
+    for procs, devices in [(1, 8), (2, 4), (4, 2)]:
+        local = g // (procs * devices)
+        parts = [_epoch(data.train, g, rows=(p * devices * local, (p + 1) * devices * local))
+                 for p in range(procs)]
+        glued = [{k: np.concatenate([part[b][k] for part in parts]) for k in whole[b]}
+                 for b in range(len(whole))]
+        _assert_same(glued, whole)
+
+
+def test_augmentation_follows_seed_epoch_and_example():
+    d = ds.load_digits()
+    b = _epoch(d.train, 32)[0]
+    order = ip.epoch_order(len(d.train.labels), shuffle=True, seed=3, epoch=2)[:32]
+    rngs = [augment.example_rng(3, 2, i) for i in order]
+    np.testing.assert_array_equal(b["image"], augment.crop_flip(d.train.images[order], rngs))
+    other = _epoch(d.train, 32, epoch=3)[0]["image"]
+    plain = d.train.images[ip.epoch_order(len(d.train.labels), shuffle=True, seed=3, epoch=3)[:32]]
+    assert not np.array_equal(other, plain)  # augmented ...
+    assert b["image"].dtype == np.uint8
+
+
+def test_worker_processes_give_identical_batches_and_resume(tmp_path):
+    pytest.importorskip("grain")
+    data = _jpeg_folder(tmp_path)
+    g = 8
+    inproc = _epoch(data.train, g, workers=0)
+    assert len(inproc) == 3 and inproc[0]["image"].shape == (8, 16, 16, 3)
+    _assert_same(_epoch(data.train, g, workers=1), inproc)
+    _assert_same(_epoch(data.train, g, workers=2), inproc)
+    # resuming at batch 1 with another worker count: the rest of the same epoch
+    _assert_same(_epoch(data.train, g, workers=2, start=1), inproc[1:])
+    _assert_same(_epoch(data.train, g, workers=0, start=2), inproc[2:])
+    val = list(ip.iterate_batches(data.val, g, shuffle=False, image_shape=(16, 16, 3), workers=2))
+    _assert_same(val, list(ip.iterate_batches(data.val, g, shuffle=False, image_shape=(16, 16, 3))))
+    assert val[-1]["mask"].tolist() == [1, 1] + [0] * 6
+
+
+def test_resume_in_process_equals_uninterrupted():
+    d = ds.load_digits()
+    full = _epoch(d.train, 128)
+    for start in (1, 5, len(full) - 1, len(full)):
+        _assert_same(_epoch(d.train, 128, start=start), full[start:])
+
+
+def test_bad_files_skipped_and_counted_or_named(tmp_path):
+    data = _jpeg_folder(tmp_path)
+    bad = data.train.paths[4]
+    with open(bad, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=bad + ": cannot decode image"):
+        _epoch(data.train, 6, shuffle=False)
+    data = ds.load_dataset("imagefolder", str(tmp_path), 16, skip_bad_images=True)
+    skipped = set()
+    batches = _epoch(data.train, 6, shuffle=False, skipped=skipped)
+    assert skipped == {bad} and ip.skipped_images(data, skipped) == [bad]
+    assert batches[0]["mask"].tolist() == [1, 1, 1, 1, 0, 1]
+    assert (batches[0]["image"][4] == 0).all()
+    assert sum(b["mask"].sum() for b in batches) == len(data.train) - 1
+    # the same with worker processes
+    try:
+        import grain  # noqa: F401
+    except ImportError:
+        return
+    skipped2 = set()
+    _assert_same(_epoch(data.train, 6, shuffle=False, workers=2, skipped=skipped2), batches)
+    assert skipped2 == {bad}
+
+
+def test_resolve_workers():
+    d = ds.load_digits()
+    assert ip.resolve_workers(-1, d.train) == 0 and ip.resolve_workers(4, d.train) == 0
+    folder = object()
+    assert ip.resolve_workers(0, folder) == 0
+    for bad in (-2, 1.5, True):
+        with pytest.raises(ValueError, match="data_workers=.* must be -1"):
+            ip.resolve_workers(bad, folder)
+    try:
+        import grain  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match=r"needs grain: pip install 'trjax\[grain\]'"):
+            ip.resolve_workers(2, folder)
+        assert ip.resolve_workers(-1, folder) == 0
+    else:
+        assert ip.resolve_workers(-1, folder) == ip.available_cores()
+        assert ip.resolve_workers(3, folder) == 3
+
+
+# ---------------------------------------------------------------------------
+# Normalisation in the compiled step; the host->device boundary.
+# ---------------------------------------------------------------------------
+
+
+def test_normalize_matches_numpy_and_the_model_applies_it():
+    x = np.random.default_rng(0).integers(0, 256, (4, 6, 6, 3), dtype=np.uint8)
+    mean, std = (120.5, 110.0, 99.25), (60.0, 55.5, 57.0)
+    ref = (x.astype(np.float64) - np.array(mean)) / np.array(std)
+    out = jax.jit(lambda a: ip.normalize(a, mean, std, jnp.float32))(x)
+    assert out.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-6, atol=1e-6)
+    assert ip.normalize(x, mean, std, jnp.bfloat16).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(ip.normalize(x, None, None), x.astype(np.float32))
+    # a model given the statistics on uint8 == the same model on the standardised floats
+    m8 = models.create_model("resnet8", num_classes=10, bn_mode="local", input_mean=mean, input_std=std)
+    mf = models.create_model("resnet8", num_classes=10, bn_mode="local")
+    variables = mf.init(jax.random.key(0), jnp.zeros((1, 6, 6, 3)), train=False)
+    np.testing.assert_allclose(np.asarray(m8.apply(variables, x, train=False)),
+                               np.asarray(mf.apply(variables, ref.astype(np.float32), train=False)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_to_device_keeps_uint8_and_checks_and_casts_floats():
     w = make_world("all", 8)
+    u8 = np.random.default_rng(1).integers(0, 256, (8, 2, 2, 1), dtype=np.uint8)
+    out = ip.to_device({"image": u8, "label": np.arange(8), "mask": np.ones(8)}, w.sharded(), 10,
+                       np.float32)
+    assert out["image"].dtype == np.uint8 and out["label"].dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(out["image"]), u8)
+    assert ip.device_image_dtype(np.uint8, jnp.bfloat16) == np.uint8
+    assert ip.device_image_dtype(np.float64, jnp.bfloat16) == jnp.bfloat16
     img = np.random.default_rng(0).normal(size=(8, 2, 2, 1))  # float64: cast by value
     out = ip.to_device({"image": img, "label": np.arange(8, dtype=np.int64), "mask": np.ones(8)},
                        w.sharded(), 10)
     assert out["image"].dtype == np.float32 and out["label"].dtype == np.int32
     np.testing.assert_allclose(np.asarray(out["image"]), img.astype(np.float32))
     with pytest.raises(ValueError, match=r"label 12 at position 3 is outside \[0, 10\)"):
-        ip.to_device({"image": img, "label": np.array([0, 1, 2, 12, 0, 0, 0, 0])}, w.sharded(), 10)
+        ip.to_device({"image": u8, "label": np.array([0, 1, 2, 12, 0, 0, 0, 0])}, w.sharded(), 10)
     with pytest.raises(ValueError, match=r"label -1 at position 0"):
         ip.to_device({"image": img, "label": np.array([-1, 1, 2, 1, 0, 0, 0, 0])}, w.sharded(), 10)
     with pytest.raises(ValueError, match=r"label 1.5 at position 1 is not an integer"):
@@ -46,3 +205,93 @@ def test_to_device_checks_and_casts():
     lab = np.zeros(8, int)
     lab[7] = 99
     ip.to_device({"image": img, "label": lab, "mask": np.r_[np.ones(7), 0]}, w.sharded(), 10)
+
+
+# ---------------------------------------------------------------------------
+# Prefetch.
+# ---------------------------------------------------------------------------
+
+
+def _prefetch_threads():
+    return [t for t in threading.enumerate() if t.name == "trjax-prefetch" and t.is_alive()]
+
+
+def test_prefetch_keeps_order_and_runs_ahead():
+    assert list(ip.prefetch(range(50), depth=3)) == list(range(50))
+    produced = []
+
+    def source():
+        for i in range(10):
+            produced.append(i)
+            yield i
+
+    it = ip.prefetch(source(), depth=2)
+    assert next(it) == 0
+    deadline = time.monotonic() + 5
+    while len(produced) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert 3 <= len(produced) <= 4  # one consumed, two queued, at most one waiting for a slot
+    assert list(it) == list(range(1, 10))
+    assert not _prefetch_threads()
+    with pytest.raises(ValueError, match="depth must be >= 1"):
+        ip.prefetch(range(3), depth=0)
+
+
+def test_prefetch_reraises_producer_errors_in_order():
+    def source():
+        yield 0
+        yield 1
+        raise RuntimeError("boom in producer")
+
+    seen = []
+    with pytest.raises(RuntimeError, match="boom in producer"):
+        for item in ip.prefetch(source()):
+            seen.append(item)
+    assert seen == [0, 1]
+    assert not _prefetch_threads()
+
+
+def test_prefetch_closes_cleanly_when_consumer_stops_early():
+    closed = threading.Event()
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+        finally:
+            closed.set()
+
+    it = ip.prefetch(endless(), depth=1)
+    assert [next(it) for _ in range(3)] == [0, 1, 2]
+    time.sleep(0.1)  # the producer is now blocked on the full queue
+    start = time.monotonic()
+    it.close()
+    assert time.monotonic() - start < 2
+    assert closed.is_set() and not _prefetch_threads()
+    for i in ip.prefetch(endless(), depth=2):  # break in a for loop
+        if i == 5:
+            break
+    assert not _prefetch_threads()
+
+
+# ---------------------------------------------------------------------------
+# The input benchmark, tiny.
+# ---------------------------------------------------------------------------
+
+
+def test_bench_input_runs_tiny(tmp_path):
+    import json
+    out = tmp_path / "bench.json"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_input.py"),
+                        "--synthetic", "32", "--workers", "0", "--batch", "4", "--image_size", "32",
+                        "--json", str(out)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert r.returncode == 0, r.stderr
+    report = json.loads(out.read_text())
+    res = report["results"]
+    assert [x["workers"] for x in res] == [0] and report["images_in_folder"] == 32
+    assert res[0]["images"] == 16 and res[0]["images_per_s"] > 0 and res[0]["cpu_ms_per_image"] > 0
+    assert "images/s" in r.stdout  # timed: batches 2..6 of 8 (the middle half), 4 rows each

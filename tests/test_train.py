@@ -48,7 +48,8 @@ def test_validation_metrics_identical_for_world_sizes_1_2_8():
     # against a host computation: the model applied to the whole set, numpy metrics
     import jax
     from trjax import models
-    model = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None)
+    model = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None,
+                                input_mean=tr1.data.mean, input_std=tr1.data.std)
     p = jax.tree_util.tree_map(np.asarray, tr1.state.params)
     bs = jax.tree_util.tree_map(np.asarray, tr1.state.batch_stats)
     logits = np.asarray(model.apply({"params": p, "batch_stats": bs}, tr1.data.val.images, train=False),

@@ -4,8 +4,10 @@ Modules, in the order data flows (each imports only modules above it):
 
 * ``world`` -- devices, mesh, batch split; ``distributed`` -- several processes;
   ``host`` -- the CPU backend (simulated devices, convolution library, memory).
-* ``input_pipeline`` (digits, batches, masks, the host->device boundary),
-  ``datasets`` (CIFAR, MNIST, ImageFolder, augmentation, prefetch).
+* ``datasets`` (the sources and their one registry: digits, CIFAR, MNIST via
+  ``formats``, ImageFolder via ``imagefolder``) -> ``augment`` (per-example
+  crops and flips) -> ``input_pipeline`` (batches, masks, worker processes,
+  prefetch, ``normalize``, the host->device boundary).
 * ``models`` / ``batchnorm`` -- ResNets with sync/running/local BatchNorm.
 * ``metrics`` (the per-step sums, ``StepMetrics``), ``regions`` -> ``plan``
   (the MemoryPlan, bucket policies, the ZeRO-1 layout).

@@ -1,64 +1,82 @@
-"""Real data sets already on disk: CIFAR-10/100, MNIST / Fashion-MNIST, image folders.
+"""Data sources: every data set trjax reads, behind one registry.
 
-Nothing is downloaded. Every loader reads the files as they are distributed and
-returns the same :class:`~trjax.input_pipeline.Dataset` as the embedded digits,
-so ``iterate_batches`` / ``to_device`` work unchanged:
+A source yields examples as they are stored; the pipeline
+(:mod:`trjax.input_pipeline`) batches, augments, prefetches and ships them.
+This module imports nothing from the pipeline.
 
+* ``load_digits()``: scikit-learn's 1,797 real 8x8 digits (shipped, no download).
 * ``load_cifar(root, num_classes)``: the python pickles of ``cifar-10-python.tar.gz``
   (``cifar-10-batches-py/data_batch_1..5``, ``test_batch``) or
   ``cifar-100-python.tar.gz`` (``cifar-100-python/train``, ``test``).
 * ``load_mnist(root)``: the four IDX files of MNIST or Fashion-MNIST, plain or
-  ``.gz``; the IDX header is parsed here (``read_idx``).
-* ``ImageFolder(root, split)``: ``root/{train,val}/class_name/*.jpg|png`` (ImageNet
-  layout), decoded lazily with PIL, ImageNet-style train and eval transforms.
+  ``.gz`` (:func:`trjax.formats.read_idx`).
+* ``load_image_folder(root)``: ``root/{train,val}/class_name/*.jpg|png|...``
+  (ImageNet layout), decoded on demand (:mod:`trjax.imagefolder`).
 
-Small in-memory images are standardised per channel with the *training split's*
-mean and std, computed exactly from the uint8 pixels every time a data set is
-loaded (no constants are hard-coded, so CIFAR-10, CIFAR-100, MNIST and
-Fashion-MNIST each get their own). ``ImageFolder`` uses the usual ImageNet
-constants ``IMAGENET_MEAN`` / ``IMAGENET_STD`` on [0, 1] pixels.
-
-Augmentation is a pure function of a numpy Generator: ``augment_batch(images,
-batch_rng(seed, epoch, step))`` draws the same crops and flips for a given
-seed, epoch and step whatever the world size, because it runs on the host's
-global batch before the batch is sharded. ``prefetch`` overlaps host-side
-loading with the device step.
+Pixels stay uint8 on the host and on the way to the device (4x fewer bytes
+than float32). A :class:`Dataset` carries the per-channel ``mean`` and ``std``
+of its training pixels in the stored units (computed exactly from the pixels
+every time an in-memory set is loaded; the ImageNet constants for image
+folders); the compiled step standardises, ``(x - mean) / std``
+(:func:`trjax.input_pipeline.normalize`).
 
 Errors: a missing root or file raises ``FileNotFoundError`` naming the path and
 what was expected there; a malformed file (unexpected pickle content, bad IDX
-magic number, sizes that disagree, undecodable image, a folder with no class
-directories or no images) raises ``ValueError`` naming the file and the problem.
+magic number, sizes that disagree, a folder with no class directories or no
+images) raises ``ValueError`` naming the file and the problem.
 """
 
 from __future__ import annotations
 
-import codecs
-import functools
-import gzip
-import math
-import os
-import pickle
-import queue
-import threading
-import zlib
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from trjax.input_pipeline import Dataset, Split
-
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png")
-
-# ---------------------------------------------------------------------------
-# Standardisation of uint8 images with the training split's statistics.
-# ---------------------------------------------------------------------------
+from trjax.formats import read_cifar_pickle, read_idx
+from trjax.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolder
 
 
-def channel_stats(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Exact per-channel mean and std of uint8 images, on the [0, 1] pixel scale.
+class Split(NamedTuple):
+    """In-memory examples: ``images [N, H, W, C]`` (uint8, or float for a
+    caller's own arrays) and ``labels [N] int32``."""
+    images: np.ndarray
+    labels: np.ndarray
+
+
+class Dataset(NamedTuple):
+    """A train and a validation split.
+
+    Attributes:
+      train, val: in-memory :class:`Split` arrays, or sources decoded on demand
+        (:class:`trjax.imagefolder.ImageFolder`), which then give ``shape``.
+      num_classes: labels are in ``[0, num_classes)``.
+      name: the data set's name.
+      shape: ``(S, S, 3)`` of an example from an on-demand source.
+      mean, std: per channel, in the stored pixel units (uint8 0..255; 0..16
+        for digits): the compiled step computes ``(x - mean) / std``. ``None``:
+        the images are used as they are (a caller's float arrays).
+    """
+    train: Any
+    val: Any
+    num_classes: int
+    name: str
+    shape: tuple | None = None
+    mean: tuple | None = None
+    std: tuple | None = None
+
+    @property
+    def image_shape(self) -> tuple:
+        return tuple(self.shape) if self.shape else tuple(self.train.images.shape[1:])
+
+    @property
+    def image_dtype(self) -> np.dtype:
+        """The host dtype of a batch's images: uint8 for decoded sources."""
+        return np.dtype(np.uint8) if self.shape else self.train.images.dtype
+
+
+def channel_stats(images: np.ndarray) -> tuple[tuple, tuple]:
+    """Exact per-channel mean and std of uint8 images, in uint8 units.
 
     Computed from per-channel histograms of the 256 pixel values (float64, no
     float copy of the images, no accumulated rounding).
@@ -67,7 +85,7 @@ def channel_stats(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
       images: ``[N, H, W, C] uint8``.
 
     Returns:
-      ``(mean, std)``, each ``[C] float64``.
+      ``(mean, std)``, each a tuple of ``C`` floats.
 
     Raises:
       ValueError: not uint8 / not 4-D, no images, or a constant channel (std 0).
@@ -84,38 +102,43 @@ def channel_stats(images: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         part = flat[start:start + chunk]
         for c in range(channels):
             counts[c] += np.bincount(part[:, c], minlength=256)
-    values = np.arange(256, dtype=np.float64) / 255.0
+    values = np.arange(256, dtype=np.float64)
     n = counts.sum(axis=1).astype(np.float64)
     mean = counts @ values / n
-    var = (counts * (values[None, :] - mean[:, None]) ** 2).sum(axis=1) / n
-    std = np.sqrt(var)
+    std = np.sqrt((counts * (values[None, :] - mean[:, None]) ** 2).sum(axis=1) / n)
     if np.any(std == 0):
         raise ValueError(f"channel(s) {np.flatnonzero(std == 0).tolist()} of the training images "
                          f"are constant: cannot standardise")
-    return mean, std
+    return tuple(mean.tolist()), tuple(std.tolist())
 
 
-def standardize(images: np.ndarray, mean: np.ndarray, std: np.ndarray) -> np.ndarray:
-    """``(images / 255 - mean) / std`` as float32, computed in place on one float copy.
+def _uint8_dataset(train_x, train_y, val_x, val_y, num_classes, name) -> Dataset:
+    mean, std = channel_stats(train_x)
+    return Dataset(Split(train_x, train_y.astype(np.int32)), Split(val_x, val_y.astype(np.int32)),
+                   num_classes, name, mean=mean, std=std)
 
-    Args:
-      images: ``[N, H, W, C] uint8``; ``mean``, ``std``: ``[C]`` on the [0, 1] scale.
+
+def load_digits(val_fraction: float = 0.2, seed: int = 0) -> Dataset:
+    """scikit-learn's handwritten digits (1,797 real 8x8 images, 10 classes).
+
+    Shipped inside scikit-learn: no download. The held-out split is fixed
+    (stratified, ``random_state=seed``). The pixels are integers 0..16, kept
+    exactly as uint8 0..16; ``mean`` / ``std`` are the training split's, in
+    those units.
 
     Returns:
-      ``[N, H, W, C] float32``.
+      A :class:`Dataset` with images ``[N, 8, 8, 1] uint8`` (1,437 train, 360 val).
     """
-    out = images.astype(np.float32)
-    out /= np.float32(255.0)
-    out -= np.asarray(mean, np.float32)
-    out /= np.asarray(std, np.float32)
-    return out
-
-
-def _standardized_dataset(train_x, train_y, val_x, val_y, num_classes, name) -> Dataset:
-    mean, std = channel_stats(train_x)
-    return Dataset(Split(standardize(train_x, mean, std), train_y.astype(np.int32)),
-                   Split(standardize(val_x, mean, std), val_y.astype(np.int32)),
-                   num_classes, name)
+    from sklearn.datasets import load_digits as _load
+    from sklearn.model_selection import train_test_split
+    d = _load()
+    x = d.images.astype(np.uint8)[..., None]  # the values are the integers 0..16
+    if not np.array_equal(x[..., 0], d.images):
+        raise ValueError("scikit-learn's digits are no longer integers 0..16")
+    y = d.target.astype(np.int32)
+    xtr, xva, ytr, yva = train_test_split(x, y, test_size=val_fraction, random_state=seed,
+                                          stratify=y)
+    return _uint8_dataset(xtr, ytr, xva, yva, 10, "digits")
 
 
 def _check_labels(labels: np.ndarray, num_classes: int, path: Path) -> np.ndarray:
@@ -156,68 +179,6 @@ _CIFAR = {
 }
 
 
-def _numpy_globals() -> dict:
-    # The only globals a CIFAR pickle refers to: numpy's array and dtype
-    # reconstruction, under the names numpy 1.x / python 2 (numpy.core) and
-    # numpy 2 (numpy._core) write, and the bytes constructor of protocol 2.
-    reconstruct = np.ndarray((0,)).__reduce__()[0]
-    allowed = {("numpy", "ndarray"): np.ndarray, ("numpy", "dtype"): np.dtype,
-               ("_codecs", "encode"): codecs.encode}  # bytes in Python 3 protocol-2 pickles
-    numeric = getattr(np, "_core", None) or np.core  # numpy 2 / numpy 1.x
-    frombuffer = getattr(numeric.numeric, "_frombuffer", None)  # protocol 5 arrays
-    for mod in ("numpy.core", "numpy._core"):
-        allowed[(f"{mod}.multiarray", "_reconstruct")] = reconstruct
-        if frombuffer is not None:
-            allowed[(f"{mod}.numeric", "_frombuffer")] = frombuffer
-    return allowed
-
-
-class _CifarUnpickler(pickle.Unpickler):
-    """An unpickler that builds numpy arrays and plain containers only.
-
-    A pickle can run arbitrary code when loaded; a CIFAR batch never needs
-    anything beyond numpy's array reconstruction, so every other global is refused.
-    """
-    _allowed = _numpy_globals()
-
-    def find_class(self, module, name):
-        try:
-            return self._allowed[(module, name)]
-        except KeyError:
-            raise pickle.UnpicklingError(f"refers to {module}.{name}, which a CIFAR batch never "
-                                         f"does; refusing to load it") from None
-
-
-def _read_cifar_pickle(path: Path, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
-    """One CIFAR batch -> (images [N, 32, 32, 3] uint8, labels [N] int64)."""
-    try:
-        with open(path, "rb") as f:
-            obj = _CifarUnpickler(f, encoding="bytes").load()
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError,
-            IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not a CIFAR python pickle: {e}") from e
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: expected a pickled dict, got {type(obj).__name__}")
-    obj = {k.encode() if isinstance(k, str) else k: v for k, v in obj.items()}
-    missing = [k for k in (b"data", label_key) if k not in obj]
-    if missing:
-        raise ValueError(f"{path}: missing key(s) {missing}; found {sorted(obj, key=repr)} "
-                         f"(expected b'data' and {label_key!r})")
-    data = obj[b"data"]
-    if not isinstance(data, np.ndarray) or data.dtype != np.uint8 or data.ndim != 2 \
-            or data.shape[1] != 3072:
-        shape = getattr(data, "shape", None)
-        dtype = getattr(data, "dtype", type(data).__name__)
-        raise ValueError(f"{path}: b'data' must be a uint8 array [N, 3072] (3x32x32, channel "
-                         f"planes), got shape {shape} dtype {dtype}")
-    labels = np.asarray(obj[label_key])
-    if labels.shape != (len(data),):
-        raise ValueError(f"{path}: {len(data)} images but {label_key!r} has shape {labels.shape}")
-    # Rows are the red, green and blue 32x32 planes, each row-major.
-    images = data.reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
-    return np.ascontiguousarray(images), labels
-
-
 def load_cifar(root, num_classes: int = 10) -> Dataset:
     """CIFAR-10 or CIFAR-100 from the python pickles of the official archives.
 
@@ -229,9 +190,10 @@ def load_cifar(root, num_classes: int = 10) -> Dataset:
 
     Returns:
       A :class:`Dataset` named ``cifar10`` / ``cifar100`` with images
-      ``[N, 32, 32, 3] float32`` (50,000 train, 10,000 val for the real data),
-      standardised per channel with the mean and std of the training pixels on
-      the [0, 1] scale (computed here, not hard-coded), and labels ``[N] int32``.
+      ``[N, 32, 32, 3] uint8`` as stored (50,000 train, 10,000 val for the real
+      data), labels ``[N] int32``, and ``mean`` / ``std`` per channel of the
+      training pixels in uint8 units (computed here, not hard-coded); the
+      compiled step standardises (:func:`trjax.input_pipeline.normalize`).
 
     Raises:
       FileNotFoundError: ``root`` or one of the expected files does not exist
@@ -254,11 +216,11 @@ def load_cifar(root, num_classes: int = 10) -> Dataset:
             if not path.is_file():
                 raise FileNotFoundError(f"{path} not found: {spec['expected']} in {root} or "
                                         f"in {root / spec['folder']}")
-            x, y = _read_cifar_pickle(path, spec["label_key"])
+            x, y = read_cifar_pickle(path, spec["label_key"])
             images.append(x)
             labels.append(_check_labels(y, num_classes, path))
         parts[split] = (np.concatenate(images), np.concatenate(labels))
-    return _standardized_dataset(*parts["train"], *parts["val"], num_classes, spec["name"])
+    return _uint8_dataset(*parts["train"], *parts["val"], num_classes, spec["name"])
 
 
 # ---------------------------------------------------------------------------
@@ -266,72 +228,10 @@ def load_cifar(root, num_classes: int = 10) -> Dataset:
 # ---------------------------------------------------------------------------
 
 # IDX type codes (third byte of the magic number) -> big-endian numpy dtypes.
-_IDX_DTYPES = {0x08: np.dtype(">u1"), 0x09: np.dtype(">i1"), 0x0B: np.dtype(">i2"),
-               0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 _MNIST_FILES = {"train_images": "train-images-idx3-ubyte", "train_labels": "train-labels-idx1-ubyte",
                 "val_images": "t10k-images-idx3-ubyte", "val_labels": "t10k-labels-idx1-ubyte"}
 _MNIST_EXPECTED = ("expected the MNIST / Fashion-MNIST IDX files " +
                    ", ".join(_MNIST_FILES.values()) + " (each optionally .gz)")
-
-
-def _read_bytes(path: Path) -> bytes:
-    if path.suffix != ".gz":
-        return path.read_bytes()
-    try:
-        with gzip.open(path, "rb") as f:
-            return f.read()
-    except (OSError, EOFError, zlib.error) as e:
-        raise ValueError(f"{path} is not a valid gzip file: {e}") from e
-
-
-def read_idx(path, expected_magic: int | None = None) -> np.ndarray:
-    """Parses one IDX file (the MNIST format), plain or gzipped (``.gz`` suffix).
-
-    Format: a big-endian 4-byte magic number ``0x00 0x00 TYPE NDIM``, then NDIM
-    big-endian uint32 sizes, then the values row-major, big-endian, TYPE one of
-    0x08 uint8, 0x09 int8, 0x0B int16, 0x0C int32, 0x0D float32, 0x0E float64.
-
-    Args:
-      path: the file.
-      expected_magic: if given, the magic number the file must carry (e.g.
-        ``0x803`` = 2051 for uint8 images [N, H, W], ``0x801`` = 2049 for uint8
-        labels [N]).
-
-    Returns:
-      An array of the header's shape, in native byte order.
-
-    Raises:
-      FileNotFoundError: ``path`` does not exist.
-      ValueError: a bad magic number, unknown type code, truncated header, or a
-        data size that differs from what the header's sizes require (names the
-        file, both sizes or both magic numbers).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: expected an IDX file")
-    raw = _read_bytes(path)
-    if len(raw) < 4:
-        raise ValueError(f"{path}: {len(raw)} bytes is too short for an IDX header")
-    magic = int.from_bytes(raw[:4], "big")
-    if expected_magic is not None and magic != expected_magic:
-        raise ValueError(f"{path}: bad IDX magic number 0x{magic:08x}, expected "
-                         f"0x{expected_magic:08x}")
-    zero, code, ndim = raw[0:2], raw[2], raw[3]
-    if zero != b"\x00\x00" or code not in _IDX_DTYPES:
-        raise ValueError(f"{path}: bad IDX magic number 0x{magic:08x} (expected 0x0000TTNN "
-                         f"with type TT in {[hex(c) for c in _IDX_DTYPES]})")
-    header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise ValueError(f"{path}: truncated IDX header ({len(raw)} bytes, need {header} "
-                         f"for {ndim} dimensions)")
-    dims = tuple(int(d) for d in np.frombuffer(raw, ">u4", count=ndim, offset=4))
-    dtype = _IDX_DTYPES[code]
-    need = math.prod(dims) * dtype.itemsize
-    have = len(raw) - header
-    if have != need:
-        raise ValueError(f"{path}: size mismatch, the header's dims {dims} need {need} bytes of "
-                         f"data but the file holds {have}")
-    return np.frombuffer(raw, dtype, offset=header).reshape(dims).astype(dtype.newbyteorder("="))
 
 
 def _find_idx(folder: Path, stem: str) -> Path | None:
@@ -353,10 +253,10 @@ def load_mnist(root, name: str = "mnist") -> Dataset:
       name: the data set's name (``"mnist"`` or ``"fashion_mnist"``).
 
     Returns:
-      A :class:`Dataset` with images ``[N, 28, 28, 1] float32`` (60,000 train,
-      10,000 val for the real data) standardised with the training pixels' mean
-      and std on the [0, 1] scale (computed here, not hard-coded), labels
-      ``[N] int32`` in ``[0, 10)``.
+      A :class:`Dataset` with images ``[N, 28, 28, 1] uint8`` as stored (60,000
+      train, 10,000 val for the real data), labels ``[N] int32`` in ``[0, 10)``,
+      and the training pixels' ``mean`` / ``std`` in uint8 units (computed here,
+      not hard-coded).
 
     Raises:
       FileNotFoundError: ``root`` or one of the four files does not exist.
@@ -384,310 +284,92 @@ def load_mnist(root, name: str = "mnist") -> Dataset:
             raise ValueError(f"{ipath} holds {len(images)} images but {lpath} holds "
                              f"{len(labels)} labels")
         parts[split] = (images[..., None], _check_labels(labels, 10, lpath))
-    return _standardized_dataset(*parts["train"], *parts["val"], 10, name)
+    return _uint8_dataset(*parts["train"], *parts["val"], 10, name)
 
 
-DATASET_LOADERS: dict[str, Callable[..., Dataset]] = {
-    "cifar10": functools.partial(load_cifar, num_classes=10),
-    "cifar100": functools.partial(load_cifar, num_classes=100),
-    "mnist": functools.partial(load_mnist, name="mnist"),
-    "fashion_mnist": functools.partial(load_mnist, name="fashion_mnist"),
-}
 
 
 # ---------------------------------------------------------------------------
-# ImageFolder (ImageNet layout), decoded lazily with PIL.
+# ImageFolder (ImageNet layout), decoded on demand.
 # ---------------------------------------------------------------------------
 
 
-def random_resized_crop_params(height: int, width: int, rng: np.random.Generator,
-                               scale: tuple = (0.08, 1.0),
-                               ratio: tuple = (3 / 4, 4 / 3)) -> tuple[int, int, int, int]:
-    """The crop box of RandomResizedCrop (Szegedy et al. 2015, torchvision's definition).
-
-    Up to 10 tries: an area fraction uniform in ``scale`` and an aspect ratio
-    (w/h) log-uniform in ``ratio``; the first box that fits is placed uniformly.
-    If none fits, the central crop clamped to the ratio range (the whole image
-    when its own ratio is inside it).
-
-    Returns:
-      ``(top, left, h, w)`` in pixels, inside the image.
-    """
-    area = height * width
-    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-    for _ in range(10):
-        target = area * rng.uniform(scale[0], scale[1])
-        aspect = math.exp(rng.uniform(log_lo, log_hi))
-        w = int(round(math.sqrt(target * aspect)))
-        h = int(round(math.sqrt(target / aspect)))
-        if 0 < w <= width and 0 < h <= height:
-            top = int(rng.integers(0, height - h + 1))
-            left = int(rng.integers(0, width - w + 1))
-            return top, left, h, w
-    in_ratio = width / height
-    if in_ratio < min(ratio):
-        w, h = width, int(round(width / min(ratio)))
-    elif in_ratio > max(ratio):
-        h, w = height, int(round(height * max(ratio)))
-    else:
-        w, h = width, height
-    return (height - h) // 2, (width - w) // 2, h, w
-
-
-class ImageFolder:
-    """``root/split/class_name/*.{jpg,jpeg,png}``, decoded on demand with PIL.
-
-    Class index = position of the class directory name in sorted order (pass
-    ``classes`` to index a split by another split's classes, e.g. val by
-    train's). Files are listed once, sorted, at construction; nothing is decoded
-    until :meth:`load`.
-
-    Attributes:
-      root: the split directory ``root/split``.
-      classes: the sorted class names.
-      num_classes: ``len(classes)``.
-      paths: one path per example.
-      labels: ``[N] int32`` class indices.
-
-    Raises:
-      FileNotFoundError: ``root/split`` does not exist.
-      ValueError: no class directories, a class directory without images, no
-        images at all, or a class directory not in ``classes`` (names the path).
-    """
-
-    def __init__(self, root, split: str, *, classes: Sequence[str] | None = None):
-        expected = "expected an image folder root/{train,val}/class_name/*.jpg|png"
-        _require_dir(root, expected)
-        self.root = _require_dir(Path(root) / split, expected)
-        dirs = sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
-        if not dirs:
-            raise ValueError(f"{self.root} has no class directories: {expected}")
-        self.classes = list(dirs if classes is None else classes)
-        index = {name: i for i, name in enumerate(self.classes)}
-        unknown = [d for d in dirs if d not in index]
-        if unknown:
-            raise ValueError(f"{self.root}: class directories {unknown} are not among the given "
-                             f"{len(self.classes)} classes")
-        paths, labels, empty = [], [], []
-        for d in dirs:
-            files = sorted(e.path for e in os.scandir(self.root / d)
-                           if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS))
-            if not files:
-                empty.append(str(self.root / d))
-            paths += files
-            labels += [index[d]] * len(files)
-        if not paths:
-            raise ValueError(f"{self.root} holds no images ({'/'.join(IMAGE_EXTENSIONS)}) in its "
-                             f"class directories {dirs}")
-        if empty:
-            raise ValueError(f"class directories without images ({'/'.join(IMAGE_EXTENSIONS)}): "
-                             f"{empty}")
-        self.paths = tuple(paths)
-        self.labels = np.asarray(labels, np.int32)
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.classes)
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    def _open(self, i: int):
-        from PIL import Image, UnidentifiedImageError
-        path = self.paths[i]
-        try:
-            with Image.open(path) as img:
-                return img.convert("RGB")
-        except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError) as e:
-            raise ValueError(f"{path}: cannot decode image: {e}") from e
-
-    def load(self, indices: Iterable[int], *, train: bool, rng: np.random.Generator | None = None,
-             image_size: int = 224) -> np.ndarray:
-        """Decodes, transforms and standardises the examples ``indices``.
-
-        Train: RandomResizedCrop (``random_resized_crop_params``, scale (0.08, 1),
-        ratio (3/4, 4/3)) resized bilinearly to ``image_size`` square, then a
-        horizontal flip with probability 1/2; draws come from ``rng`` in index
-        order (crop, then flip, per image), so the result is a function of
-        ``rng``'s state. Eval: resize the shorter side to
-        ``round(image_size * 256 / 224)`` (bilinear), center crop ``image_size``.
-        Both then map [0, 1] pixels to ``(x - IMAGENET_MEAN) / IMAGENET_STD``.
-
-        Returns:
-          ``[len(indices), image_size, image_size, 3] float32``.
-
-        Raises:
-          ValueError: ``train`` without ``rng``, or an undecodable file (names it).
-          IndexError: an index outside ``[0, len(self))``.
-        """
-        from PIL import Image
-        indices = [int(i) for i in np.asarray(indices).reshape(-1)]
-        if train and rng is None:
-            raise ValueError("train=True needs rng (a np.random.Generator) for crops and flips")
-        for i in indices:
-            if not 0 <= i < len(self):
-                raise IndexError(f"index {i} is outside [0, {len(self)}) of {self.root}")
-        s = int(image_size)
-        out = np.empty((len(indices), s, s, 3), np.float32)
-        for k, i in enumerate(indices):
-            img = self._open(i)
-            width, height = img.size
-            if train:
-                top, left, h, w = random_resized_crop_params(height, width, rng)
-                img = img.resize((s, s), Image.BILINEAR, box=(left, top, left + w, top + h))
-                if rng.random() < 0.5:
-                    img = img.transpose(Image.FLIP_LEFT_RIGHT)
-            else:
-                short = int(round(s * 256 / 224))
-                if width <= height:
-                    new_w, new_h = short, int(short * height / width)
-                else:
-                    new_w, new_h = int(short * width / height), short
-                img = img.resize((new_w, new_h), Image.BILINEAR)
-                top, left = int(round((new_h - s) / 2.0)), int(round((new_w - s) / 2.0))
-                img = img.crop((left, top, left + s, top + s))
-            out[k] = np.asarray(img, np.float32)
-        out /= np.float32(255.0)
-        out -= np.asarray(IMAGENET_MEAN, np.float32)
-        out /= np.asarray(IMAGENET_STD, np.float32)
-        return out
-
-
-# ---------------------------------------------------------------------------
-# Augmentation of small in-memory images.
-# ---------------------------------------------------------------------------
-
-
-def batch_rng(seed: int, epoch: int, step: int) -> np.random.Generator:
-    """``np.random.default_rng((seed, epoch, step))``: one stream per global batch.
-
-    Drawn on the host for the global batch, so augmentation depends on the
-    seed, epoch and step only, never on the world size or the rank.
-    """
-    return np.random.default_rng((seed, epoch, step))
-
-
-def augment_batch(images: np.ndarray, rng: np.random.Generator, pad: int = 4,
-                  flip: bool = True) -> np.ndarray:
-    """Random crop with zero padding, then random horizontal flip (CIFAR-style).
-
-    Each image is padded by ``pad`` zeros on every side (zero is the mean pixel
-    of standardised images) and cropped back to ``H x W`` at an offset drawn
-    uniformly from ``[0, 2 * pad]`` in each direction; with ``flip`` it is
-    mirrored left-right with probability 1/2. Draws: offsets ``[B, 2]``, then
-    flips ``[B]``, from ``rng``; the same rng state gives the same output.
+def load_image_folder(root, image_size: int = 224, *, verify: bool = False,
+                      skip_bad_images: bool = False, verify_workers: int = 0) -> Dataset:
+    """``root/train`` and ``root/val`` as :class:`ImageFolder` sources.
 
     Args:
-      images: ``[B, H, W, C]``, any dtype (mask-0 padding rows are harmless).
-      rng: e.g. ``batch_rng(seed, epoch, step)``.
-      pad: padding in pixels, ``>= 0``.
-      flip: whether to flip.
+      root: the folder holding ``train/`` and ``val/``, each with one folder per class.
+      image_size: the side ``S`` of the square crops the pipeline makes.
+      verify: decode every file once now (threads: ``verify_workers``, 0 = the
+        cores available); a file that cannot be decoded is an error naming it,
+        or, with ``skip_bad_images``, is left out and listed in ``.skipped``.
+      skip_bad_images: leave out files that fail to decode (at the verify pass,
+        or during training, where the row is masked out), count them instead
+        of stopping.
 
     Returns:
-      A new ``[B, H, W, C]`` array of the input's dtype.
+      A :class:`Dataset` with ``shape (S, S, 3)``, uint8 crops, ImageNet
+      ``mean`` / ``std`` in uint8 units (``255 * (0.485, 0.456, 0.406)``,
+      ``255 * (0.229, 0.224, 0.225)``).
 
     Raises:
-      ValueError: images not 4-D or ``pad < 0``.
+      ValueError: train and val class folders differ (names both folders and
+        the classes missing from each), an empty class folder (names it),
+        ``verify`` found undecodable files without ``skip_bad_images`` (names
+        them); and :class:`ImageFolder`'s errors.
     """
-    images = np.asarray(images)
-    if images.ndim != 4:
-        raise ValueError(f"images must be [B, H, W, C], got shape {images.shape}")
-    if pad < 0:
-        raise ValueError(f"pad must be >= 0, got {pad}")
-    b, h, w, _ = images.shape
-    offsets = rng.integers(0, 2 * pad + 1, size=(b, 2))
-    flips = rng.random(b) < 0.5 if flip else np.zeros(b, bool)
-    padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-    rows = offsets[:, :1] + np.arange(h)[None, :]                           # [B, H]
-    cols = offsets[:, 1:] + np.where(flips[:, None], np.arange(w)[::-1], np.arange(w))  # [B, W]
-    return padded[np.arange(b)[:, None, None], rows[:, :, None], cols[:, None, :]]
+    train = ImageFolder(root, "train", skip_bad_images=skip_bad_images)
+    val = ImageFolder(root, "val", skip_bad_images=skip_bad_images)
+    if train.classes != val.classes:
+        only_train = sorted(set(train.classes) - set(val.classes))
+        only_val = sorted(set(val.classes) - set(train.classes))
+        raise ValueError(f"{train.root} and {val.root} hold different class folders: only in "
+                         f"train {only_train}, only in val {only_val}; every class needs a "
+                         f"folder in both")
+    if verify:
+        train, val = train.verified(verify_workers), val.verified(verify_workers)
+    return Dataset(train, val, train.num_classes, "imagefolder", (image_size, image_size, 3),
+                   tuple(255.0 * m for m in IMAGENET_MEAN), tuple(255.0 * s for s in IMAGENET_STD))
 
 
-def augment_batches(batches: Iterable[dict], *, seed: int, epoch: int, pad: int = 4,
-                    flip: bool = True) -> Iterator[dict]:
-    """Applies ``augment_batch`` with ``batch_rng(seed, epoch, step)`` to each batch's image.
-
-    For use on ``iterate_batches(..., shuffle=True, seed=seed, epoch=epoch)``;
-    labels and masks pass through unchanged.
-    """
-    for step, batch in enumerate(batches):
-        yield {**batch, "image": augment_batch(batch["image"], batch_rng(seed, epoch, step),
-                                               pad=pad, flip=flip)}
+def _needs_dir(load: Callable[..., Dataset], name: str) -> Callable[..., Dataset]:
+    def loader(data_dir, **options):
+        if not data_dir:
+            raise ValueError(f"dataset {name!r} reads files: set --config.data_dir=FOLDER (for a "
+                             "tiny CIFAR-10 in the real format: scripts/make_tiny_cifar.py DIR)")
+        return load(data_dir, **options)
+    return loader
 
 
-# ---------------------------------------------------------------------------
-# Host prefetching.
-# ---------------------------------------------------------------------------
-
-_END = object()
-
-
-class _Raised:
-    """An exception from the producer, distinguishable from any item."""
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
+# The one registry: name -> loader(data_dir, image_size=, verify=, skip_bad_images=,
+# verify_workers=); loaders ignore the options they have no use for.
+LOADERS: dict[str, Callable[..., Dataset]] = {
+    "digits": lambda data_dir, **_: load_digits(),
+    "cifar10": _needs_dir(lambda d, **_: load_cifar(d, 10), "cifar10"),
+    "cifar100": _needs_dir(lambda d, **_: load_cifar(d, 100), "cifar100"),
+    "mnist": _needs_dir(lambda d, **_: load_mnist(d, "mnist"), "mnist"),
+    "fashion_mnist": _needs_dir(lambda d, **_: load_mnist(d, "fashion_mnist"), "fashion_mnist"),
+    "imagefolder": _needs_dir(load_image_folder, "imagefolder"),
+}
+DATASETS = tuple(LOADERS)
 
 
-def prefetch(iterator: Iterable, depth: int = 2) -> Iterator:
-    """Runs ``iterator`` in a background thread, with up to ``depth`` items queued.
+def load_dataset(name: str, data_dir: str = "", image_size: int = 224, *, verify: bool = False,
+                 skip_bad_images: bool = False, verify_workers: int = 0) -> Dataset:
+    """Loads a data set by name (one of ``DATASETS``).
 
-    The producer holds at most one more item while it waits for a free slot.
-
-    Items arrive in order. An exception raised by the producer is re-raised in
-    the consumer at the point it occurred (after the items produced before it).
-    When the consumer stops early (``close()``, ``break`` in a for loop, or the
-    generator being garbage collected), the producer is told to stop, the
-    source iterator's ``close()`` (if any) is called in the producer thread and
-    the thread is joined: no thread is left behind. A producer blocked inside a
-    slow ``next()`` finishes that one item first. The thread starts on the
-    first ``next()``.
+    ``digits`` ships inside scikit-learn; the others read ``data_dir``: CIFAR
+    python pickles, MNIST IDX files, an ImageFolder tree
+    ``data_dir/{train,val}/class/*.jpg`` (decoded on demand, ``image_size``
+    square crops; ``verify``, ``skip_bad_images``, ``verify_workers``: see
+    :func:`load_image_folder`).
 
     Raises:
-      ValueError: ``depth < 1``.
+      ValueError: an unknown name, or ``data_dir`` missing for a data set on
+        disk; the loaders' own errors for missing or malformed files.
     """
-    if depth < 1:
-        raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-    return _prefetch(iter(iterator), depth)
-
-
-def _prefetch(source: Iterator, depth: int) -> Iterator:
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce():
-        try:
-            for item in source:
-                if not put(item):
-                    return
-            put(_END)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            put(_Raised(e))
-        finally:
-            close = getattr(source, "close", None)
-            if close is not None:
-                close()
-
-    thread = threading.Thread(target=produce, name="trjax-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _END:
-                return
-            if isinstance(item, _Raised):
-                raise item.error
-            yield item
-    finally:
-        stop.set()
-        thread.join()
+    if name not in LOADERS:
+        raise ValueError(f"dataset {name!r} is unknown; choose one of {list(DATASETS)}")
+    return LOADERS[name](data_dir, image_size=image_size, verify=verify,
+                         skip_bad_images=skip_bad_images, verify_workers=verify_workers)

@@ -1,93 +1,51 @@
-"""Input: the embedded digits data set, global batches with masks, the host->device boundary.
+"""The input pipeline: sources -> global batches -> workers -> prefetch -> the device.
 
-Batches are host numpy dicts ``{"image": [G, H, W, C] float32, "label": [G]
-int32, "mask": [G] float32}`` with G the global batch size. A data set whose
-size is not a multiple of G gets a last batch padded to G with mask-0 rows
-(``remainder="pad"``: every example counts exactly once, the compiled shape
-never changes) or loses its last partial batch (``remainder="drop"``, train
-only). Evaluation always pads: every validation example is counted.
+Batches are host numpy dicts ``{"image": [B, H, W, C] uint8, "label": [B]
+int32, "mask": [B] float32}`` holding the rows ``[lo, hi)`` this process feeds
+of each global batch of G examples (all rows in a single-process run). A data
+set whose size is not a multiple of G gets a last batch padded to G with
+mask-0 rows (``remainder="pad"``: every example counts exactly once, the
+compiled shape never changes) or loses its last partial batch
+(``remainder="drop"``, train only). Evaluation always pads.
+
+Determinism. The epoch's order is ``default_rng((seed, epoch)).permutation(n)``;
+an example's augmentation draws come from ``augment.example_rng(seed, epoch,
+index)`` with ``index`` its position in the split. A batch is therefore a
+function of (seed, epoch, batch number) only: the same bit for bit for any
+split of the global batch over processes and devices, for any number of
+worker processes, and when a run resumes at batch ``start`` (the loader's
+whole position is ``(seed, epoch, start)``, already in every checkpoint).
+
+Workers. Decoded sources (ImageFolder) are prepared in ``workers`` processes
+with grain (``pip install 'trjax[grain]'``; ``MapDataset.range(start, steps)
+.map(batch).mp_prefetch(...)``: each worker builds whole batches, delivered
+in order through shared memory); ``workers=0`` builds them in this process,
+with identical results. In-memory sets are always gathered in-process
+(a gather is microseconds; workers would copy the arrays).
+
+uint8 to the device. Images stay uint8 on the host and in the transfer (4x
+fewer bytes than float32); the compiled step standardises them with
+:func:`normalize` (the model calls it on its input, with the data set's
+``mean`` / ``std``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator, NamedTuple
+import os
+import queue
+import threading
+from typing import Iterable, Iterator
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from trjax import augment
+from trjax.datasets import (DATASETS, LOADERS, Dataset, Split, load_dataset,  # noqa: F401
+                            load_digits)  # re-exported: the pipeline's callers need one import
+from trjax.imagefolder import BadImage
+
 REMAINDERS = ("pad", "drop")
-
-
-class Split(NamedTuple):
-    images: np.ndarray  # [N, H, W, C] float32
-    labels: np.ndarray  # [N] int32
-
-
-class Dataset(NamedTuple):
-    """A train and a validation split: in-memory :class:`Split` arrays, or
-    sources decoded on demand (:class:`trjax.datasets.ImageFolder`), which
-    then give ``shape``."""
-    train: Any
-    val: Any
-    num_classes: int
-    name: str
-    shape: tuple | None = None
-
-    @property
-    def image_shape(self) -> tuple:
-        return tuple(self.shape) if self.shape else tuple(self.train.images.shape[1:])
-
-
-def load_digits(val_fraction: float = 0.2, seed: int = 0) -> Dataset:
-    """scikit-learn's handwritten digits (1,797 real 8x8 images, 10 classes).
-
-    Shipped inside scikit-learn: no download. The held-out split is fixed
-    (stratified, ``random_state=seed``). Pixels 0..16 are scaled to [0, 1] and
-    standardised with the training split's mean and std.
-
-    Returns:
-      A :class:`Dataset` with images ``[N, 8, 8, 1] float32``.
-    """
-    from sklearn.datasets import load_digits as _load
-    from sklearn.model_selection import train_test_split
-    d = _load()
-    x = (d.images.astype(np.float32) / 16.0)[..., None]
-    y = d.target.astype(np.int32)
-    xtr, xva, ytr, yva = train_test_split(x, y, test_size=val_fraction, random_state=seed,
-                                          stratify=y)
-    mean, std = float(xtr.mean()), float(xtr.std())
-    norm = lambda a: ((a - mean) / std).astype(np.float32)
-    return Dataset(Split(norm(xtr), ytr), Split(norm(xva), yva), 10, "digits")
-
-
-DATASETS = ("digits", "cifar10", "cifar100", "mnist", "fashion_mnist", "imagefolder")
-
-
-def load_dataset(name: str, data_dir: str = "", image_size: int = 224) -> Dataset:
-    """Loads a data set by name (one of ``DATASETS``).
-
-    ``digits`` ships inside scikit-learn; the others read ``data_dir``
-    (:mod:`trjax.datasets`: CIFAR python pickles, MNIST IDX files, an
-    ImageFolder tree ``data_dir/{train,val}/class/*.jpg``, decoded on demand
-    at ``image_size``).
-
-    Raises:
-      ValueError: an unknown name, or ``data_dir`` missing for a data set on
-        disk; the loaders' own errors for missing or malformed files.
-    """
-    if name not in DATASETS:
-        raise ValueError(f"dataset {name!r} is unknown; choose one of {list(DATASETS)}")
-    if name == "digits":
-        return load_digits()
-    if not data_dir:
-        raise ValueError(f"dataset {name!r} reads files: set --config.data_dir=FOLDER "
-                         "(for a tiny CIFAR-10 in the real format: scripts/make_tiny_cifar.py DIR)")
-    from trjax import datasets
-    if name == "imagefolder":
-        train = datasets.ImageFolder(data_dir, "train")
-        val = datasets.ImageFolder(data_dir, "val", classes=train.classes)
-        return Dataset(train, val, train.num_classes, name, (image_size, image_size, 3))
-    return datasets.DATASET_LOADERS[name](data_dir)
 
 
 def steps_per_epoch(num_examples: int, global_batch: int, remainder: str) -> int:
@@ -98,61 +56,281 @@ def steps_per_epoch(num_examples: int, global_batch: int, remainder: str) -> int
     return full + (1 if rest and remainder == "pad" else 0)
 
 
+def epoch_order(num_examples: int, *, shuffle: bool, seed: int = 0, epoch: int = 0) -> np.ndarray:
+    """The examples of one epoch in order: ``default_rng((seed, epoch)).permutation(n)``
+    when ``shuffle``, else ``arange(n)``. ``[n] int64``."""
+    if not shuffle:
+        return np.arange(num_examples)
+    return np.random.default_rng((seed, epoch)).permutation(num_examples)
+
+
+class BatchMaker:
+    """Builds rows ``[lo, hi)`` of global batch ``b`` of one epoch: ``maker(b) -> batch``.
+
+    A pure function of its fields and ``b`` (picklable: worker processes run it).
+    The batch also holds ``"skipped"``: the paths of undecodable files whose
+    rows were masked out (sources with ``skip_bad_images``).
+    """
+
+    def __init__(self, split, order: np.ndarray, global_batch: int, rows: tuple[int, int], *,
+                 seed: int, epoch: int, augment: bool, image_size: int):
+        self.split, self.order, self.global_batch = split, order, global_batch
+        self.lo, self.hi = rows
+        self.seed, self.epoch, self.augment, self.image_size = seed, epoch, augment, image_size
+
+    def __call__(self, b: int) -> dict:
+        b = int(b)
+        idx = self.order[b * self.global_batch:(b + 1) * self.global_batch][self.lo:self.hi]
+        size = self.hi - self.lo
+        mask = np.zeros(size, np.float32)
+        mask[:len(idx)] = 1.0
+        labels = np.zeros(size, np.int32)
+        labels[:len(idx)] = self.split.labels[idx]
+        rngs = [augment.example_rng(self.seed, self.epoch, i) for i in idx] if self.augment else None
+        skipped = []
+        if isinstance(self.split, Split):
+            real = self.split.images[idx]
+            if self.augment and len(idx):
+                real = augment.crop_flip(real, rngs)
+            images = np.zeros((size,) + real.shape[1:], real.dtype)
+            images[:len(idx)] = real
+        else:
+            s = self.image_size
+            images = np.zeros((size, s, s, 3), np.uint8)
+            for k, i in enumerate(idx):
+                try:
+                    img = self.split.image(int(i))
+                except BadImage as e:
+                    if not self.split.skip_bad_images:
+                        raise
+                    mask[k] = 0.0
+                    skipped.append(e.path)
+                    continue
+                images[k] = augment.train_crop(img, rngs[k], s) if self.augment \
+                    else augment.eval_crop(img, s)
+        return {"image": images, "label": labels, "mask": mask, "skipped": tuple(skipped)}
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its CPU affinity), at least 1."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
+def resolve_workers(workers: int, split) -> int:
+    """Worker processes for a split: ``workers`` (``-1`` = :func:`available_cores`).
+
+    In-memory :class:`Split` arrays: always 0 (gathered in-process). ``-1``
+    without grain installed: 0 (the in-process path gives the same batches).
+
+    Raises:
+      ValueError: ``workers < -1``, or ``workers > 0`` without grain installed
+        (names the fix).
+    """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < -1:
+        raise ValueError(f"data_workers={workers!r} must be -1 (the cores available), 0 (in this "
+                         "process) or a number of worker processes")
+    if isinstance(split, Split) or workers == 0:
+        return 0
+    try:
+        import grain  # noqa: F401 - optional extra
+    except ImportError:
+        if workers == -1:
+            return 0
+        raise ValueError(f"data_workers={workers} needs grain: pip install 'trjax[grain]' "
+                         "(or set data_workers=0 to decode in this process)") from None
+    return available_cores() if workers == -1 else workers
+
+
+def _grain():
+    """grain, with absl flags usable outside an absl app: grain 0.2.x reads its
+    own flags when it starts workers, which absl refuses before flags are parsed
+    (their defaults are what we want)."""
+    import grain
+    from absl import flags
+    if not flags.FLAGS.is_parsed():
+        flags.FLAGS.mark_as_parsed()
+    return grain
+
+
 def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
                     epoch: int = 0, remainder: str = "pad", rows: tuple | None = None,
                     start: int = 0, augment: bool = False,
-                    image_shape: tuple | None = None) -> Iterator[dict]:
-    """Global batches of one epoch, padded (mask 0) or dropped at the end.
-
-    The order is a permutation drawn from ``np.random.default_rng((seed,
-    epoch))`` when ``shuffle``: deterministic per seed and epoch, and the same
-    whatever the world size.
+                    image_shape: tuple | None = None, workers: int = 0,
+                    skipped: set | None = None) -> Iterator[dict]:
+    """The global batches ``start, start + 1, ...`` of one epoch, padded (mask 0) or dropped.
 
     Args:
-      rows: ``(row_start, row_stop)``: yield only these rows of every global
-        batch (the rows this process feeds, :meth:`trjax.world.World.process_rows`);
-        only they are gathered. Default: all rows.
-      start: skip the first ``start`` batches (resuming mid-epoch).
-      augment: training augmentation. In-memory splits: random crop with 4
-        pixels of zero padding + horizontal flip, each row drawn from
-        ``np.random.default_rng((seed, epoch, batch, row))`` -- the same
-        whatever the world size or process count. On-demand sources
-        (ImageFolder): RandomResizedCrop + flip with
-        ``default_rng((seed, epoch, batch, first_row))``; without ``augment``
-        they resize and center-crop.
-      image_shape: ``(S, S, 3)`` for on-demand sources.
+      split: a :class:`Split` or an on-demand source (``ImageFolder``).
+      global_batch: G, rows per global batch.
+      shuffle, seed, epoch: the order (:func:`epoch_order`).
+      remainder: ``"pad"`` or ``"drop"`` for the last partial batch.
+      rows: ``(lo, hi)``: yield only these rows of every global batch (the rows
+        this process feeds, :meth:`trjax.world.World.process_rows`); only they
+        are loaded. Default: all rows.
+      start: the first batch (resuming mid-epoch: the batches are exactly the
+        ones an uninterrupted pass yields from there).
+      augment: in-memory splits: :func:`trjax.augment.crop_flip` (4-pixel zero
+        padding, flip); on-demand sources: :func:`trjax.augment.train_crop`
+        (RandomResizedCrop + flip), else :func:`trjax.augment.eval_crop`. Each
+        example's draws come from ``example_rng(seed, epoch, index)``.
+      image_shape: ``(S, S, 3)`` for on-demand sources (default 224).
+      workers: worker processes for on-demand sources (:func:`resolve_workers`).
+      skipped: a set that receives the paths of undecodable files skipped
+        (masked out) by sources with ``skip_bad_images``.
+
+    Yields:
+      ``{"image": [hi - lo, H, W, C], "label": [hi - lo] int32, "mask": [hi - lo] float32}``;
+      images uint8 (or the in-memory split's own dtype).
+
+    Raises:
+      BadImage (a ValueError): an undecodable file, naming it, without ``skip_bad_images``.
     """
     n = len(split.labels)
     lo, hi = rows if rows is not None else (0, global_batch)
-    order = np.random.default_rng((seed, epoch)).permutation(n) if shuffle else np.arange(n)
-    for b in range(start, steps_per_epoch(n, global_batch, remainder)):
-        idx = order[b * global_batch:(b + 1) * global_batch][lo:hi]
-        real = len(idx)
-        images = _gather(split, idx, augment, (seed, epoch, b, lo), image_shape)
-        labels = split.labels[idx]
-        mask = np.ones(hi - lo, np.float32)
-        if real < hi - lo:
-            pad = hi - lo - real
-            images = np.concatenate([images, np.zeros((pad,) + images.shape[1:], images.dtype)])
-            labels = np.concatenate([labels, np.zeros(pad, split.labels.dtype)])
-            mask[real:] = 0.0
-        yield {"image": images, "label": labels, "mask": mask}
+    steps = steps_per_epoch(n, global_batch, remainder)
+    order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)
+    maker = BatchMaker(split, order, global_batch, (lo, hi), seed=seed, epoch=epoch,
+                       augment=augment, image_size=image_shape[0] if image_shape else 224)
+    num_workers = resolve_workers(workers, split)
+    if start >= steps:
+        return
+    if num_workers == 0:
+        source, close = map(maker, range(start, steps)), None
+    else:
+        grain = _grain()
+        ds = grain.MapDataset.range(start, steps).map(maker).to_iter_dataset(
+            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        source = iter(ds.mp_prefetch(grain.MultiprocessingOptions(
+            num_workers=min(num_workers, steps - start), per_worker_buffer_size=2)))
+        close = getattr(source, "close", None)
+    try:
+        for batch in source:
+            if skipped is not None:
+                skipped.update(batch["skipped"])
+            yield {k: np.asarray(batch[k]) for k in ("image", "label", "mask")}
+    finally:
+        if close is not None:
+            close()
 
 
-def _gather(split, idx, augment: bool, key: tuple, image_shape) -> np.ndarray:
-    """Images ``idx`` of a split, augmented for training when asked."""
-    if isinstance(split, Split):
-        images = split.images[idx]
-        if augment and len(idx):
-            from trjax.datasets import augment_batch
-            images = np.stack([augment_batch(images[i:i + 1],
-                                             np.random.default_rng(key + (i,)))[0]
-                               for i in range(len(idx))])
-        return images
-    size = image_shape[0] if image_shape else 224
-    if not len(idx):
-        return np.zeros((0, size, size, 3), np.float32)
-    return split.load(idx, train=augment, rng=np.random.default_rng(key), image_size=size)
+def skipped_images(data: Dataset, seen: Iterable[str] = ()) -> list[str]:
+    """Every file a run skipped: left out by the verify pass (``source.skipped``)
+    or masked out while iterating (``seen``, the set given to :func:`iterate_batches`).
+    Sorted, unique: ``len()`` is the count for ``summary.json``."""
+    out = set(seen)
+    for split in (data.train, data.val):
+        out.update(getattr(split, "skipped", ()))
+    return sorted(out)
+
+
+# ---------------------------------------------------------------------------
+# Host prefetching.
+# ---------------------------------------------------------------------------
+_END = object()
+
+
+class _Raised:
+    """An exception from the producer, distinguishable from any item."""
+    __slots__ = ("error",)
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def prefetch(iterator: Iterable, depth: int = 2) -> Iterator:
+    """Runs ``iterator`` in a background thread, with up to ``depth`` items queued.
+
+    The producer holds at most one more item while it waits for a free slot.
+
+    Items arrive in order. An exception raised by the producer is re-raised in
+    the consumer at the point it occurred (after the items produced before it).
+    When the consumer stops early (``close()``, ``break`` in a for loop, or the
+    generator being garbage collected), the producer is told to stop, the
+    source iterator's ``close()`` (if any) is called in the producer thread and
+    the thread is joined: no thread is left behind. A producer blocked inside a
+    slow ``next()`` finishes that one item first. The thread starts on the
+    first ``next()``.
+
+    Raises:
+      ValueError: ``depth < 1``.
+    """
+    if depth < 1:
+        raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+    return _prefetch(iter(iterator), depth)
+
+
+def _prefetch(source: Iterator, depth: int) -> Iterator:
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce():
+        try:
+            for item in source:
+                if not put(item):
+                    return
+            put(_END)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            put(_Raised(e))
+        finally:
+            close = getattr(source, "close", None)
+            if close is not None:
+                close()
+
+    thread = threading.Thread(target=produce, name="trjax-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = q.get()
+            if item is _END:
+                return
+            if isinstance(item, _Raised):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        thread.join()
+
+
+# ---------------------------------------------------------------------------
+# The host -> device boundary.
+# ---------------------------------------------------------------------------
+
+
+def normalize(images, mean, std, dtype=jnp.float32):
+    """``(images - mean) / std`` per channel, in float32, then cast to ``dtype``.
+
+    Pure and jittable: the compiled step calls it on the uint8 batch, so the
+    host never makes a float copy.
+
+    Args:
+      images: ``[..., C]``, uint8 (or any real dtype).
+      mean, std: ``C`` floats in the images' units, or ``None`` (no
+        standardisation, only the cast).
+      dtype: the result's dtype (the compute dtype).
+
+    Returns:
+      ``[..., C]`` of ``dtype``.
+    """
+    x = jnp.asarray(images).astype(jnp.float32)
+    if mean is not None:
+        x = (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
+    return x.astype(dtype)
+
+
+def device_image_dtype(host_dtype, compute_dtype) -> np.dtype:
+    """The dtype images travel in: uint8 stays uint8; anything else is cast to ``compute_dtype``."""
+    return np.dtype(np.uint8) if np.dtype(host_dtype) == np.uint8 else np.dtype(compute_dtype)
 
 
 def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict:
@@ -162,9 +340,11 @@ def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict
     single-process run); the result is the global batch, sharded.
 
     Labels must be integers in ``[0, num_classes)`` (checked on real rows);
-    they become int32. Images are cast explicitly to ``dtype`` (float64 and
-    integer inputs are converted by value, never reinterpreted); non-finite
-    pixels in real rows are an error. The mask becomes float32.
+    they become int32. uint8 images travel as uint8 (the compiled step
+    normalises them, :func:`normalize`); other images are cast explicitly to
+    ``dtype`` (float64 and integer inputs are converted by value, never
+    reinterpreted), and non-finite pixels in real rows of float images are an
+    error. The mask becomes float32.
 
     Raises:
       ValueError: a label out of range or not integral (names the value and
@@ -191,8 +371,8 @@ def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict
         if nonfinite.any():
             pos = tuple(int(i) for i in np.argwhere(nonfinite)[0])
             raise ValueError(f"image value {images[pos].item()!r} at position {pos} is not finite")
-    host = {"image": images.astype(dtype), "label": labels.astype(np.int32),
-            "mask": mask.astype(np.float32)}
+    host = {"image": images.astype(device_image_dtype(images.dtype, dtype), copy=False),
+            "label": labels.astype(np.int32, copy=False), "mask": mask.astype(np.float32, copy=False)}
     # Rows of this process only (all rows with one process): each process
     # hands over its part of the global batch.
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}

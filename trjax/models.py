@@ -7,7 +7,9 @@ Every convolution is followed by :class:`trjax.batchnorm.BatchNorm`; the network
 ends in global average pooling and one dense layer. Variants are built from one
 class with ``functools.partial``, as in the Flax ImageNet example.
 
-Input: ``x_BxHxWxC`` float; output: logits ``[B, num_classes]`` float32.
+Input: ``x_BxHxWxC``, uint8 or float, standardised by the model itself when
+``input_mean`` / ``input_std`` are set (:func:`trjax.input_pipeline.normalize`,
+inside the compiled step); output: logits ``[B, num_classes]`` float32.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from trjax.batchnorm import BatchNorm
+from trjax.input_pipeline import normalize
 
 
 class BasicBlock(nn.Module):
@@ -74,6 +77,9 @@ class ResNet(nn.Module):
       num_classes: logits size.
       bn_mode, axis_name, bn_momentum: passed to every BatchNorm.
       dtype: compute dtype (parameters stay float32).
+      input_mean, input_std: per-channel statistics of the input in its own
+        units (the data set's ``mean`` / ``std``): the input becomes
+        ``(x - mean) / std`` in float32, then ``dtype``. ``None``: only the cast.
     """
 
     stage_sizes: Sequence[int]
@@ -86,12 +92,14 @@ class ResNet(nn.Module):
     axis_name: Optional[str] = None
     bn_momentum: float = 0.9
     dtype: Any = jnp.float32
+    input_mean: Optional[Sequence[float]] = None
+    input_std: Optional[Sequence[float]] = None
 
     @nn.compact
     def __call__(self, x, train: bool = True, mask=None):
         norm = functools.partial(BatchNorm, mode=self.bn_mode, axis_name=self.axis_name,
                                  momentum=self.bn_momentum, dtype=self.dtype)
-        x = x.astype(self.dtype)
+        x = normalize(x, self.input_mean, self.input_std, self.dtype)
         if self.stem == "imagenet":
             x = nn.Conv(self.stem_width, (7, 7), (2, 2), padding=3, use_bias=False,
                         dtype=self.dtype, name="stem_conv")(x)

@@ -26,7 +26,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import aot, checkpoint, compilation, datasets, distributed, host, input_pipeline, models, optim, steps
+from trjax import aot, checkpoint, compilation, distributed, host, input_pipeline, models, optim, steps
 from trjax import config as config_lib
 from trjax import exchange as exchange_lib
 from trjax.metrics import METRICS, StepMetrics
@@ -77,10 +77,14 @@ def prepare(config: ml_collections.ConfigDict,
     world = make_world(config.devices, config.global_batch_size)
     config_lib.validate(config, world.world_size)
     if data is None:
-        data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size)
+        data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size,
+                                           verify=config.verify_images,
+                                           skip_bad_images=config.skip_bad_images)
+    input_pipeline.resolve_workers(config.data_workers, data.train)  # a bad value: error now
     model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
-                                dtype=compute_dtype(config.precision))
+                                dtype=compute_dtype(config.precision), input_mean=data.mean,
+                                input_std=data.std)
     plan = build_plan(model, data.image_shape, config.buckets,
                       resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform))
     train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
@@ -118,7 +122,8 @@ def setup(config: ml_collections.ConfigDict,
                                loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
 
     def example(n):
-        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape, dtype,
+        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
+                                              input_pipeline.device_image_dtype(data.image_dtype, dtype),
                                               sharding=world.sharded()),
                 "label": jax.ShapeDtypeStruct((n,), np.int32, sharding=world.sharded()),
                 "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
@@ -141,7 +146,7 @@ def setup(config: ml_collections.ConfigDict,
                                eval_reduce=eval_reduce)
 
 
-def evaluate_pass(tr: Trainer, state) -> dict:
+def evaluate_pass(tr: Trainer, state, skipped: set | None = None) -> dict:
     """One validation pass: fold BN once, accumulate per device, ONE all-reduce.
 
     Returns ``{"loss", "top1", "top5", "count", "sums"}``: global sums over the
@@ -152,9 +157,10 @@ def evaluate_pass(tr: Trainer, state) -> dict:
     folded = tr.fold_bn(state)
     acc = world.put(np.zeros((world.world_size, len(METRICS)), np.float32), world.sharded())
     rows = world.process_rows(tr.config.eval_batch_size)
-    for batch in datasets.prefetch(input_pipeline.iterate_batches(
+    for batch in input_pipeline.prefetch(input_pipeline.iterate_batches(
             tr.data.val, tr.config.eval_batch_size, shuffle=False, rows=rows,
-            image_shape=tr.data.image_shape), depth=tr.config.prefetch):
+            image_shape=tr.data.image_shape, workers=tr.config.data_workers, skipped=skipped),
+            depth=tr.config.prefetch):
         acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
             batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
     sums = host_value(tr.eval_reduce(acc))
@@ -319,6 +325,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
         checkpoint_s[0] += time.perf_counter() - t
 
     rows = world.process_rows()
+    skipped: set = set()  # undecodable files skipped (config.skip_bad_images)
     lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
     history, train_time, train_images = [], 0.0, 0
     reader = MetricsReader(config.metrics_lag, config.halt_on_nonfinite,
@@ -343,10 +350,11 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
             t0 = time.perf_counter()
             first = start_batch if epoch == start_epoch else 0
             step_index = (epoch - 1) * steps_per_epoch + first
-            batches = datasets.prefetch(input_pipeline.iterate_batches(
+            batches = input_pipeline.prefetch(input_pipeline.iterate_batches(
                 data.train, world.global_batch_size, shuffle=True, seed=config.seed, epoch=epoch,
                 remainder=config.train_remainder, rows=rows, start=first,
-                augment=config.augment, image_shape=data.image_shape), depth=config.prefetch)
+                augment=config.augment, image_shape=data.image_shape,
+                workers=config.data_workers, skipped=skipped), depth=config.prefetch)
             with _progress(steps_per_epoch - first, epoch, show_bar) as bar:
                 for b, batch in enumerate(batches, start=first + 1):
                     step_index += 1
@@ -374,7 +382,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
                 say(f"halted after step {step_index} (config.halt_after_steps); checkpoint saved")
                 break
             with compiles.phase("evaluate"):
-                val = evaluate_pass(tr, state)
+                val = evaluate_pass(tr, state, skipped)
             save(epoch + 1, 0)
             watchdog.beat(step_index)
             row = {"epoch": epoch, "step": step_index,
@@ -399,7 +407,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
         tb.close()
     if val is None:  # resumed at the very end, or halted before any evaluation
         with compiles.phase("evaluate"):
-            val = evaluate_pass(tr, state)
+            val = evaluate_pass(tr, state, skipped)
     loop_phases = ("train", "evaluate", "checkpoint", compilation.BACKGROUND)
     summary = {
         "val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
@@ -413,6 +421,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
         "steps": int(host_value(state.step)), "halted": halted,
         "skipped_steps": int(host_value(state.skipped_steps)),
         "skipped_step_numbers": reader.skipped,
+        "skipped_images": len(input_pipeline.skipped_images(data, skipped)),
         "loss_scale": float(host_value(state.loss_scale)),
         "train_images_per_s": train_images / train_time if train_time else 0.0,
         # measured: executables built (compiled by XLA or loaded from the cache)
