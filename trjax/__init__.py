@@ -11,7 +11,9 @@ Modules, in the order data flows:
 * ``collectives`` (buckets, BN statistics, broadcast), ``allreduce`` (ring,
   halving-doubling, tree, hierarchical), ``compression``.
 * ``optim``, ``precision`` -> ``steps`` (compiled train/eval steps) -> ``train``
-  (the loop), ``checkpoint``; ``comm`` / ``report`` read the compiled HLO.
+  (the loop), ``checkpoint`` (asynchronous orbax saves), ``compilation`` (the
+  persistent compilation cache, compiles counted by phase); ``comm`` / ``report``
+  read the compiled HLO.
 """
 
 __version__ = "0.1.0"
