@@ -81,3 +81,40 @@ def test_gpu_dry_run_and_tiny_cpu_mode(tmp_path):
     assert "| 1 | trjax/two | 1 / " in (cpu_out / "benchmark.md").read_text()
     assert "two-bucket / per-leaf at world 2" in r["ratios"]
     assert "two-bucket / per-leaf at world 2" in cpu_log
+
+
+def test_time_to_accuracy_tiny(tmp_path):
+    """--time_to_accuracy with a tiny job (ResNet-8, 1 epoch, 2 devices): every run's
+    figures in the JSON agree with its own summary.json, the warm run loads every
+    program the cold run compiled, and the ratios are the medians' quotients."""
+    out = tmp_path / "tta"
+    variants = "cold,warm,torch" if HAVE_TORCH else "cold,warm"
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--time_to_accuracy", "--model", "resnet8", "--epochs", "1",
+         "--global_batch", "64", "--tta_variants", variants, "--out", str(out),
+         "--train_flags", "--config.cpu_devices=2 --config.eval_batch_size=64"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((out / "time_to_accuracy.json").read_text())
+    runs = {x["variant"]: x for x in r["runs"]}
+    assert [x["variant"] for x in r["runs"]] == variants.split(",")
+    for v, x in runs.items():
+        s = json.loads((tmp_path / "tta" / "tta_runs" / f"r1_{v}" / "summary.json").read_text())
+        assert x["val_top1"] == s["val_top1"] and 0.0 <= x["val_top1"] <= 1.0
+        assert 0 < x["first_step_s"] < x["wall_s"]
+        if v != "torch":
+            assert s["epochs"] == 1 and s["world_size"] == 2 and s["model"] == "resnet8"
+            assert x["compiles_during_training"] == 0 == s["compiles_during_training"]
+            assert x["wall_s"] > s["wall_s"] > 0  # the process outlives train_and_evaluate
+            assert x["profile"]["train_s"] > 0
+    cold, warm = runs["cold"]["profile"], runs["warm"]["profile"]
+    assert cold["startup_programs"]["compiled"] >= 1 and cold["compile_s_total"] > 0
+    assert warm["startup_programs"]["compiled"] == 0 and warm["compile_s_total"] == 0.0
+    assert warm["startup_programs"]["cache_hits"] == cold["startup_programs"]["built"]
+    assert all(p["compiled"] == 0 and p["cache_hits"] == 1 for p in warm["step_programs"].values())
+    md = (out / "time_to_accuracy.md").read_text()
+    assert "| trjax, warm compilation cache | 1 |" in md
+    if HAVE_TORCH:
+        assert runs["torch"]["val_top1"] > 0.1  # one epoch of ResNet-8 learns something
+        assert r["ratios"]["warm / torch wall"] == runs["warm"]["wall_s"] / runs["torch"]["wall_s"]
+        assert "PyTorch DDP, gloo, 2 processes" in md

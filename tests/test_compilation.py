@@ -145,3 +145,52 @@ def test_summary_counts_are_measured_a_forced_compile_shows(tmp_path, monkeypatc
     assert s["compiles_during_training"] == 1
     assert s["compiles_by_phase"]["train"]["built"] == 1
     assert "evaluate" not in s["compiles_by_phase"] and s["checkpoint_io_compiles"] == 0
+
+
+@pytest.mark.parametrize("bn_mode, shard", [("running", False), ("local", True)])
+def test_train_state_is_one_program_with_rank0_bits(bn_mode, shard):
+    """create_train_state builds ONE program (init, broadcast, optimizer and comm state),
+    compiled at a lower XLA:CPU optimisation level, and its parameters are bit for bit
+    model.init on rank 0's key compiled at jaxlib's default level; a key and the same
+    int seed give the same state."""
+    from trjax import exchange, models, optim
+    from trjax.plan import build_plan
+    from trjax.state import create_train_state, state_specs
+    from trjax.world import make_world
+    world = make_world("all", 32)
+    model = models.create_model("resnet8", num_classes=10, bn_mode=bn_mode, axis_name="data")
+    plan = build_plan(model, (8, 8, 1))
+    ex = (exchange.shard_optimizer_state(plan, world.world_size,
+                                         lambda mask: optim.make_optimizer("sgd", 0.1, mask=mask))
+          if shard else exchange.allreduce(optim.make_optimizer("sgd", 0.1, plan), plan))
+    with compilation.CompileLog() as log:
+        state = create_train_state(7, model, ex, world, (8, 8, 1), bn_mode, loss_scale=2.0)
+    assert [compilation.program_key(b.program) for b in log.builds] == ["jit_create"]
+
+    rank0 = jax.random.fold_in(jax.random.key(7), 0)
+    ref = jax.jit(lambda k: model.init(k, jnp.zeros((1, 8, 8, 1)), train=False))(rank0)
+    for got, want in zip(jax.tree_util.tree_leaves(state.params),
+                         jax.tree_util.tree_leaves(ref["params"]), strict=True):
+        assert got.sharding.is_fully_replicated
+        assert np.asarray(got).tobytes() == np.asarray(want).tobytes()
+    n = world.world_size
+    for got, want in zip(jax.tree_util.tree_leaves(state.batch_stats),
+                         jax.tree_util.tree_leaves(ref["batch_stats"]), strict=True):
+        expect = np.broadcast_to(want, (n,) + want.shape) if bn_mode == "local" else want
+        assert np.array_equal(np.asarray(got), expect)
+    P = jax.sharding.PartitionSpec
+
+    def laid_out(spec, sub):  # every leaf as state_specs says (a pytree prefix)
+        for x in jax.tree_util.tree_leaves(sub):
+            assert x.sharding.is_equivalent_to(jax.sharding.NamedSharding(world.mesh, spec), x.ndim)
+    jax.tree_util.tree_map(laid_out, state_specs(bn_mode, ex), state,
+                           is_leaf=lambda s: isinstance(s, P))
+    assert all(not np.any(np.asarray(x)) for x in jax.tree_util.tree_leaves(state.opt_state)
+               if x.ndim)  # momentum starts at zero
+    assert (int(state.step), int(state.skipped_steps), int(state.good_steps),
+            float(state.loss_scale)) == (0, 0, 0, 2.0)
+    again = create_train_state(jax.random.key(7), model, ex, world, (8, 8, 1), bn_mode,
+                               loss_scale=2.0)
+    for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(state),
+                    strict=True):
+        assert a.sharding == b.sharding and np.asarray(a).tobytes() == np.asarray(b).tobytes()

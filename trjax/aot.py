@@ -138,5 +138,7 @@ def compile_step(name: str, fn: Callable, *example_args, donate_argnums=()) -> C
     t0 = time.perf_counter()
     lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*sig)
     compiled = lowered.compile()
-    return CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums,
+    step = CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums,
                         lowered.as_text())
+    step.fn = fn  # the function compiled (scripts/benchmark.py compiles it again undonated)
+    return step

@@ -6,7 +6,8 @@ Everything a data-parallel strategy changes lives in one
 PyTorch DDP's comm hooks, ``hook(state, bucket)``, play the same role):
 
 * ``init(params, world) -> (opt_state, comm_state)``: global arrays laid out
-  as ``specs()`` says;
+  as ``specs()`` says; traceable (``create_train_state`` runs it inside its
+  one start-up program);
 * ``specs() -> (opt_specs, comm_specs)``: their ``shard_map`` partition specs;
 * ``update(buffers, params, opt_state, comm_state, step, loss_scale) ->
   Update``: called per device inside the train step's ``shard_map`` with this
@@ -36,7 +37,6 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -177,8 +177,9 @@ def compressed(tx: optax.GradientTransformation, plan: MemoryPlan, compressors,
     nm = len(METRICS)
 
     def init_comm(world):
-        n = world.world_size
-        rows = lambda x: world.put(np.broadcast_to(np.asarray(x), (n,) + x.shape), world.sharded())
+        n = world.world_size  # traceable: create_train_state builds it inside its program
+        rows = lambda x: lax.with_sharding_constraint(jnp.broadcast_to(x, (n,) + x.shape),
+                                                      world.sharded())
         return {b: jax.tree_util.tree_map(rows, per_bucket[b].init(jax.ShapeDtypeStruct(
             (size - (nm if b == mbucket else 0),), jnp.float32)))
             for b, size in plan.bucket_elements.items()}
@@ -241,7 +242,7 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
     mb, mo = plan.metrics_slot
 
     def init(params, world):
-        zeros = {b: np.zeros(n, np.float32) for b, (n, _) in layout.items()}
+        zeros = {b: jnp.zeros(n, jnp.float32) for b, (n, _) in layout.items()}
         shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp), opt_specs)
         return jax.jit(tx.init, out_shardings=shardings)(zeros), {}
 

@@ -5,7 +5,7 @@
 of ``local`` mode and whatever the gradient exchange shards (its optimizer and
 comm state, :class:`trjax.exchange.GradientExchange`).
 :func:`create_train_state` initialises every replica with its own key, then
-broadcasts rank 0's parameters bit for bit.
+broadcasts rank 0's parameters bit for bit, all in one compiled program.
 """
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trjax import collectives
-from trjax.world import DATA_AXIS, World, host_value
+from trjax.world import DATA_AXIS, World
 
 
 @flax.struct.dataclass
@@ -61,20 +62,38 @@ def state_specs(bn_mode: str, exchange=None) -> TrainState:
                       comm_state=comm_specs)
 
 
-def create_train_state(rng: jax.Array, model: nn.Module, exchange, world: World,
-                       image_shape: tuple, bn_mode: str, loss_scale: float = 1.0) -> TrainState:
-    """Initialises on every replica, then broadcasts rank 0's parameters.
+INIT_CPU_OPTIMIZATION_LEVEL = 1
+"""XLA:CPU backend (LLVM) optimisation level of the state-initialisation
+program. At jaxlib's default (3) LLVM spends most of a cold start-up on it
+(the threefry hashes and normal transforms of every parameter's initialiser:
+ResNet-20, 8 devices, 14-18 s); level 1 compiles it about 3x faster and gives
+the same bits (checked against the default level for ResNet-20 and, in
+``tests/test_state.py``, ResNet-8; level 0 does not: 1 ulp in some normals).
+The program runs once, so its speed does not matter."""
 
-    Each replica runs ``model.init`` with its own key ``fold_in(rng, rank)``
-    (as independent DDP processes would);
-    :func:`trjax.collectives.broadcast_from_rank0` then gives every replica
-    rank 0's bits, and :func:`check_replicas_identical` verifies it.
+
+def create_train_state(rng, model: nn.Module, exchange, world: World,
+                       image_shape: tuple, bn_mode: str, loss_scale: float = 1.0) -> TrainState:
+    """The whole train state from one compiled program, laid out as
+    :func:`state_specs` says.
+
+    One program (a ``jax.jit`` around a ``shard_map``) does all of it: the PRNG
+    key from the seed; on each replica ``model.init`` with its own key
+    ``fold_in(key, rank)`` (as independent DDP processes would);
+    :func:`trjax.collectives.broadcast_from_rank0` (every replica gets rank 0's
+    bits); the ``local``-mode BN rows; the exchange's optimizer and comm state
+    (``exchange.init``, traced into the same program) and the scalar counters.
+    The persistent compilation cache (:mod:`trjax.compilation`) stores it as one
+    entry. :func:`check_replicas_identical` then verifies the broadcast on the
+    host. Rank 0's key, hence the parameters, do not depend on the world size.
 
     Args:
-      rng: PRNG key.
+      rng: an ``int`` seed (``config.seed``; the key is made inside the
+        program, ``jax.random.key(seed)``) or a PRNG key array (its key data
+        is read on the host and placed on every device).
       model: the network (its ``axis_name`` is the data axis).
       exchange: the :class:`trjax.exchange.GradientExchange`; its ``init``
-        builds the optimizer and comm state.
+        builds the optimizer and comm state (it must be traceable).
       world: devices and mesh.
       image_shape: ``(H, W, C)`` of one example.
       bn_mode: ``sync``, ``running`` or ``local``.
@@ -88,30 +107,39 @@ def create_train_state(rng: jax.Array, model: nn.Module, exchange, world: World,
         broadcast.
     """
     n = world.world_size
-    # rank r initialises with fold_in(rng, r): rank 0's key, hence the broadcast
-    # parameters, do not depend on the world size.
-    keys = jax.vmap(lambda r: jax.random.fold_in(rng, r))(np.arange(n))
-    keys = world.put(np.asarray(jax.random.key_data(keys)), world.sharded())
+    if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
+        seed, make_key = world.put(np.asarray(rng, np.int32)), jax.random.key
+    else:  # key data through the host: a global array on every process's devices
+        seed = world.put(np.asarray(jax.random.key_data(rng)))
+        impl = jax.random.key_impl(rng)
+        make_key = lambda data: jax.random.wrap_key_data(data, impl=impl)
 
-    def init_local(key_data):
+    def init_local(seed):
+        key = jax.random.fold_in(make_key(seed), lax.axis_index(DATA_AXIS))
         x = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
-        variables = model.init(jax.random.wrap_key_data(key_data[0]), x, train=False)
+        variables = model.init(key, x, train=False)
         variables = collectives.broadcast_from_rank0(variables, DATA_AXIS)
         return variables["params"], variables["batch_stats"]
 
-    init = jax.jit(jax.shard_map(init_local, mesh=world.mesh, in_specs=P(DATA_AXIS),
-                                 out_specs=(P(), P())))
-    params, batch_stats = init(keys)
-    if bn_mode == "local":
-        batch_stats = jax.tree_util.tree_map(
-            lambda x: world.put(np.broadcast_to(host_value(x), (n,) + x.shape), world.sharded()),
-            batch_stats)
-    opt_state, comm_state = exchange.init(params, world)
-    scalar = lambda v, dt: world.put(np.asarray(v, dt))
-    state = TrainState(step=scalar(0, np.int32), params=params, batch_stats=batch_stats,
-                       opt_state=opt_state, skipped_steps=scalar(0, np.int32),
-                       loss_scale=scalar(loss_scale, np.float32), good_steps=scalar(0, np.int32),
-                       comm_state=comm_state)
+    def create(seed):
+        params, batch_stats = jax.shard_map(init_local, mesh=world.mesh, in_specs=P(),
+                                            out_specs=(P(), P()))(seed)
+        if bn_mode == "local":  # one row per replica, all equal to rank 0's statistics
+            batch_stats = jax.tree_util.tree_map(lambda x: jnp.broadcast_to(x, (n,) + x.shape),
+                                                 batch_stats)
+        opt_state, comm_state = exchange.init(params, world)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(step=zero, params=params, batch_stats=batch_stats, opt_state=opt_state,
+                          skipped_steps=zero, loss_scale=jnp.asarray(loss_scale, jnp.float32),
+                          good_steps=zero, comm_state=comm_state)
+
+    shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp),
+                                       state_specs(bn_mode, exchange),
+                                       is_leaf=lambda x: isinstance(x, P))
+    lowered = jax.jit(create, out_shardings=shardings).lower(seed)
+    options = ({"xla_backend_optimization_level": INIT_CPU_OPTIMIZATION_LEVEL}
+               if world.devices[0].platform == "cpu" else None)
+    state = lowered.compile(compiler_options=options)(seed)
     check_replicas_identical(state.params)
     return state
 

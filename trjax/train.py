@@ -117,7 +117,7 @@ def setup(config: ml_collections.ConfigDict,
     tr = prepared if prepared is not None else prepare(config, data)
     world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
     fp16 = config.precision == "fp16"
-    state = create_train_state(jax.random.key(config.seed), model, tr.exchange, world,
+    state = create_train_state(config.seed, model, tr.exchange, world,
                                data.image_shape, config.bn_mode,
                                loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
 
@@ -182,6 +182,7 @@ class MetricsReader:
         self.pending: collections.deque = collections.deque()
         self.sums = StepMetrics.zeros()
         self.skipped: list[int] = []
+        self.first_step_done_at = None  # time.time() when the first step's metrics came back
 
     def push(self, step: int, metrics) -> None:
         self.pending.append((step, metrics))
@@ -191,6 +192,7 @@ class MetricsReader:
         while len(self.pending) > limit:
             step, m = self.pending.popleft()
             m = m.to_host()
+            self.first_step_done_at = self.first_step_done_at or time.time()
             self.sums = self.sums.plus(m)
             if m.finite == 0.0:
                 self.skipped.append(step)
@@ -437,6 +439,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
         "checkpoint_blocking_s": round(checkpoint_s[0], 3),
         "memory_plan": plan.describe(),
         "wall_s": time.perf_counter() - t_start,
+        "first_step_done_at": reader.first_step_done_at,  # Unix time (benchmark --time_to_accuracy)
     }
     if lead:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
