@@ -218,20 +218,22 @@ def _progress(total: int, epoch: int, enabled: bool):
 def _finishing(ckpt, seconds: list):
     """On leaving the loop, waits for the checkpoint save in flight (so the
     last save is complete before the process exits). If the loop raised, a
-    failed save is reported and the loop's error propagates."""
-    failed = True
+    failed save is reported and the loop's error propagates; with several
+    processes it does not wait then (a save's commit is a barrier across the
+    processes, and a failed collective usually means a peer is gone: the wait
+    would block until the distributed runtime aborts the process)."""
     try:
         yield
-        failed = False
-    finally:
-        t = time.perf_counter()
-        try:
-            checkpoint.finish(ckpt)
-        except Exception as e:
-            if not failed:
-                raise
-            print(f"checkpoint save failed too: {type(e).__name__}: {e}", file=sys.stderr)
-        seconds[0] += time.perf_counter() - t
+    except BaseException:
+        if jax.process_count() == 1:
+            try:
+                checkpoint.finish(ckpt)
+            except Exception as e:
+                print(f"checkpoint save failed too: {type(e).__name__}: {e}", file=sys.stderr)
+        raise
+    t = time.perf_counter()
+    checkpoint.finish(ckpt)
+    seconds[0] += time.perf_counter() - t
 
 
 @distributed.holds_workdir  # one live run per workdir (process 0 holds WORKDIR/trjax.lock)
