@@ -44,10 +44,12 @@ def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4():
 def test_one_epoch_1000_examples_batch_96_same_on_1_and_8_devices(tmp_path):
     """11 steps on 1 and on 8 devices agree up to the fp32 rounding of sums taken in another
     order (helpers.reorder_rounding_bound: 2·k·(B-1)·u of each leaf's movement plus
-    2·k·u of its size; k = 11, B = 96 rows: 1.2e-4 and 1.3e-6). Measured on jax 0.10.2:
-    the worst leaf at WORST_MEASURED of its bound. A real bug is far outside it: planted
-    (measured once each) BN with local statistics on 8 devices gives BN_LOCAL x the
-    bound, a gradient scaled by 1/8 (sum over devices read as a mean) SCALE_BUG x."""
+    2·k·u of its size; k = 11, B = 96 rows: 1.2e-4 and 1.3e-6), the same reasoning as
+    test_checkpoint.test_restore_on_another_device_count. Measured on jax 0.10.2: the worst
+    leaf at 0.031 of its bound (params and BN statistics). A real bug is far outside it,
+    planted once each: the 8-device run's BN on local statistics (bn_mode running) lands
+    at 5.1e3 x the bound; the mean over the local instead of the global count (gradient
+    x 8 on 8 devices) at 4.2e4 x."""
     data = _digits_subset(1000, 40)  # 1000 = 10 x 96 + 40: last batch padded, 4 devices empty
     finals = {}
     for n in ("1", "8"):
