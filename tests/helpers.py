@@ -71,3 +71,47 @@ def reference_step(model_name, params, batch_stats, opt_state, tx, batch, bn_mom
     (loss, new_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), new_bs, opt_state, loss, grads
+
+
+def reorder_rounding_bound(start, steps: int, rows: int):
+    """Per-leaf bound on how far two runs of the same ``steps`` steps from ``start`` may drift
+    when they differ only in the order of their fp32 sums (device count, fusion, a refactor).
+
+    Each step sums ``rows`` rows twice in another order (the BatchNorm statistics forward,
+    the gradient backward). Recursive summation of n fp32 terms errs by at most
+    (n-1)·u·sum|x_i| (Higham, Accuracy and Stability of Numerical Algorithms, §4.2;
+    u = 2^-24), so each step's update differs by at most 2·(rows-1)·u of its own size;
+    adding it to the leaf rounds once more in each run (u·|p|). Over ``steps`` steps:
+        |a - b| <= 2·steps·(rows-1)·u·max|b - start| + 2·steps·u·max|b|
+    (the distance the leaf moved, and its size). It assumes no amplification by the
+    training dynamics, so keep the window short (a few to ~10 steps; see
+    test_checkpoint.test_restore_on_another_device_count for measured margins).
+
+    Returns ``bound(path, a, b) -> float`` for leaves of the tree ``start``.
+    """
+    u = 2.0 ** -24
+    flat = {jax.tree_util.keystr(p): np.asarray(x, np.float64)
+            for p, x in jax.tree_util.tree_flatten_with_path(start)[0]}
+
+    def bound(path, b):
+        b = np.asarray(b, np.float64)
+        moved = np.abs(b - flat[path]).max()
+        return 2 * steps * (rows - 1) * u * moved + 2 * steps * u * np.abs(b).max()
+    return bound
+
+
+def assert_within_reorder_rounding(a, b, start, steps: int, rows: int) -> float:
+    """Asserts every leaf of ``a`` is within :func:`reorder_rounding_bound` of ``b``'s
+    (leaves that must have moved: the bound is relative to the movement); returns the
+    worst ``|a - b| / bound`` (a margin to report)."""
+    bound = reorder_rounding_bound(start, steps, rows)
+    worst = 0.0
+    for (path, y), x in zip(jax.tree_util.tree_flatten_with_path(b)[0],
+                            jax.tree_util.tree_leaves(a)):
+        key = jax.tree_util.keystr(path)
+        lim = bound(key, y)
+        diff = np.abs(np.asarray(x, np.float64) - np.asarray(y, np.float64)).max()
+        assert lim > 0, key
+        assert diff <= lim, (key, diff, lim)
+        worst = max(worst, diff / lim)
+    return worst

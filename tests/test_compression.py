@@ -238,3 +238,69 @@ def test_powersgd_full_rank_is_exact_and_vectors_exact():
     np.testing.assert_allclose(err.sum(0), 0.0, atol=1e-4)  # errors cancel at full rank
     with pytest.raises(ValueError, match="overlaps another or leaves the buffer"):
         compression.powersgd(2, [(20, 6, 3)]).init(jax.ShapeDtypeStruct((n,), jnp.float32))
+
+
+def test_per_layer_powersgd_exchange_carries_its_error_feedback_over_steps():
+    """``compression="powersgd"`` as training runs it: exchange.compressed, one matrix per
+    layer (layer_matrices), rank 1, the comm state threaded step to step. With SGD lr 1 on
+    zero parameters, params_T * -count is everything sent; with the per-device errors still
+    held it must equal every gradient summed over steps and devices (nothing lost, only
+    delayed). Checked by planting: the comm state not carried (new_comm = old) fails this."""
+    from trjax import exchange, models
+    from trjax.metrics import METRICS
+    from trjax.plan import build_plan, layer_matrices
+    from trjax.world import DATA_AXIS, make_world
+    import optax
+
+    n_dev, steps = 8, 12
+    world = make_world("all", 8 * n_dev)
+    model = models.create_model("resnet8", stage_sizes=(1,), widths=(8,), stem_width=8,
+                                bn_mode="sync", axis_name=DATA_AXIS)
+    plan = build_plan(model, (8, 8, 1), "two", "HWIO")
+    make = lambda b: C.powersgd(1, layer_matrices(plan, b))
+    per_bucket = exchange.exact_below(plan, make, 0.05)
+    assert any(plan.bucket_bytes(b) >= 0.05 * plan.gradient_bytes for b in per_bucket)
+    ex = exchange.compressed(optax.sgd(1.0), plan, per_bucket)
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)),
+                                               train=False)["params"])
+    params = jax.tree_util.tree_map(lambda s: world.put(np.zeros(s.shape, s.dtype)), shapes)
+    opt_state, comm_state = ex.init(params, world)
+    opt_specs, comm_specs = ex.specs()
+
+    def local(bufs, params, opt_state, comm_state):
+        up = ex.update({b: v[0] for b, v in bufs.items()}, params, opt_state, comm_state,
+                       jnp.int32(0), None)
+        return up.params, up.opt_state, up.comm_state
+
+    f = jax.jit(jax.shard_map(local, mesh=world.mesh,
+                              in_specs=(P(DATA_AXIS), P(), opt_specs, comm_specs),
+                              out_specs=(P(), opt_specs, comm_specs), check_vma=False))
+    mb, mo = plan.metrics_slot
+    count = METRICS.index("count")
+    rng = np.random.default_rng(0)
+    true = {b: np.zeros(n) for b, n in plan.bucket_elements.items()}
+    for _ in range(steps):
+        bufs = {b: rng.normal(size=(n_dev, n)).astype(np.float32)
+                for b, n in plan.bucket_elements.items()}
+        bufs[mb][:, mo:mo + len(METRICS)] = 0.0
+        bufs[mb][:, mo + count] = 1.0  # global count n_dev: the applied mean is sum / n_dev
+        for b in bufs:
+            true[b] += bufs[b].astype(np.float64).sum(0)
+        params, opt_state, comm_state = f({b: world.put(v, world.sharded()) for b, v in bufs.items()},
+                                          params, opt_state, comm_state)
+    true[mb][mo:mo + len(METRICS)] = 0.0
+    sent = {b: -n_dev * np.asarray(v, np.float64)
+            for b, v in plan.pack(jax.tree_util.tree_map(np.asarray, params),
+                                  np.zeros(len(METRICS), np.float32)).items()}
+    lossy = 0.0
+    for b, n in plan.bucket_elements.items():
+        held = np.zeros(n)
+        if "error" in (comm_state[b] or {}):
+            err = np.asarray(comm_state[b]["error"], np.float64).reshape(n_dev, -1).sum(0)
+            if b == mb:  # the metrics left the bucket before compression
+                err = np.concatenate([err[:mo], np.zeros(len(METRICS)), err[mo:]])
+            held = err
+        scale = np.abs(true[b]).max()
+        lossy = max(lossy, np.abs(sent[b] - true[b]).max() / scale)
+        np.testing.assert_allclose(sent[b] + held, true[b], rtol=0, atol=1e-4 * scale)
+    assert lossy > 0.1  # rank 1 did drop a lot each step: the errors carry it

@@ -4,11 +4,12 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import max_rel, random_batch, setup, small_config, to_host
+from helpers import assert_within_reorder_rounding, max_rel, random_batch, setup, small_config, to_host
 from trjax import input_pipeline as ip
 from trjax import aot, exchange, optim, steps
 from trjax.precision import update_loss_scale
-from trjax.train import evaluate_pass, setup as setup_trainer, train_and_evaluate
+from trjax.state import create_train_state
+from trjax.train import evaluate_pass, prepare, setup as setup_trainer, train_and_evaluate
 
 
 def _digits_subset(n_train, n_val):
@@ -41,6 +42,14 @@ def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4():
 
 
 def test_one_epoch_1000_examples_batch_96_same_on_1_and_8_devices(tmp_path):
+    """11 steps on 1 and on 8 devices agree up to the fp32 rounding of sums taken in another
+    order (helpers.reorder_rounding_bound: 2·k·(B-1)·u of each leaf's movement plus
+    2·k·u of its size; k = 11, B = 96 rows: 1.2e-4 and 1.3e-6), the same reasoning as
+    test_checkpoint.test_restore_on_another_device_count. Measured on jax 0.10.2: the worst
+    leaf at 0.031 of its bound (params and BN statistics). A real bug is far outside it,
+    planted once each: the 8-device run's BN on local statistics (bn_mode running) lands
+    at 5.1e3 x the bound; the mean over the local instead of the global count (gradient
+    x 8 on 8 devices) at 4.2e4 x."""
     data = _digits_subset(1000, 40)  # 1000 = 10 x 96 + 40: last batch padded, 4 devices empty
     finals = {}
     for n in ("1", "8"):
@@ -49,11 +58,19 @@ def test_one_epoch_1000_examples_batch_96_same_on_1_and_8_devices(tmp_path):
         state, summary = train_and_evaluate(cfg, str(tmp_path / n), data)
         assert summary["steps"] == 11 and summary["compiles_during_training"] == 0
         finals[n] = to_host(state)
-    assert max_rel(finals["8"].params, finals["1"].params) <= 1e-5
-    assert max_rel(finals["8"].batch_stats, finals["1"].batch_stats) <= 1e-5
+    tr = prepare(cfg, data)  # the common start: rank 0's initialisation, as both runs had
+    start = to_host(create_train_state(jax.random.key(cfg.seed), tr.model, tr.exchange, tr.world,
+                                       data.image_shape, cfg.bn_mode))
+    worst = max(assert_within_reorder_rounding(finals["8"].params, finals["1"].params,
+                                               start.params, 11, 96),
+                assert_within_reorder_rounding(finals["8"].batch_stats, finals["1"].batch_stats,
+                                               start.batch_stats, 11, 96))
+    print(f"worst leaf / bound: {worst:.3g}")
 
 
 def test_inf_on_one_replica_skips_the_step_everywhere():
+    # running mode also checks the all-reduced BN statistics, which the inf makes non-finite
+    # too; sync mode has only the gradient check: test_replicas' "sync_bn" case covers it
     world, model, plan, tx, state = setup("all", 32, "running")
     step = aot.compile_step("train", steps.make_train_step(
         model, exchange.allreduce(tx, plan), plan, world, "running"),

@@ -16,7 +16,28 @@ def test_resolve_cpu_convolutions():
     assert host.resolve_cpu_convolutions("auto", 8, cores=2) == "ynnpack"
     assert host.resolve_cpu_convolutions("ynnpack", 1, cores=2) == "ynnpack"
     assert host.resolve_cpu_convolutions("eigen", 8, cores=2) == "eigen"
-    assert host.available_cores() >= 1
+    assert host.available_cores() == len(os.sched_getaffinity(0))
+    assert host.resolve_cpu_convolutions("auto", host.available_cores()) == "eigen"
+    assert host.resolve_cpu_convolutions("auto", host.available_cores() + 1) == "ynnpack"
+
+
+def test_available_cores_follows_the_affinity_mask(monkeypatch):
+    mask = os.sched_getaffinity(0)
+    one = min(mask)
+    os.sched_setaffinity(0, {one})  # this thread only (pid 0); restored below
+    try:
+        assert host.available_cores() == 1
+    finally:
+        os.sched_setaffinity(0, mask)
+    assert host.available_cores() == len(mask)
+    # no affinity call on this platform: the CPU count
+    def missing(_):
+        raise AttributeError("sched_getaffinity")
+    monkeypatch.setattr(os, "sched_getaffinity", missing)
+    monkeypatch.setattr(os, "cpu_count", lambda: 5)
+    assert host.available_cores() == 5
+    monkeypatch.setattr(os, "cpu_count", lambda: None)
+    assert host.available_cores() == 1
     with pytest.raises(ValueError, match=r"cpu_convolutions='onednn' is not one of"):
         host.resolve_cpu_convolutions("onednn", 2)
     with pytest.raises(ValueError, match=r"cpu_devices=0 must be a positive int"):

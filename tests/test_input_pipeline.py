@@ -59,6 +59,20 @@ def test_batches_pad_and_mask_every_example_once():
     assert len(list(ip.iterate_batches(split, 4, shuffle=False, remainder="drop"))) == 2
 
 
+def test_each_epoch_has_its_own_order_from_the_documented_seed():
+    # the documented derivation: numpy's default_rng((seed, epoch)).permutation(n)
+    n = 50
+    split = ip.Split(np.arange(n, dtype=np.uint8).reshape(n, 1, 1, 1), np.arange(n, dtype=np.int32))
+    orders = {}
+    for seed, epoch in [(1, 0), (1, 1), (1, 2), (2, 0)]:
+        batches = list(ip.iterate_batches(split, 8, shuffle=True, seed=seed, epoch=epoch))
+        got = np.concatenate([b["label"][b["mask"] > 0] for b in batches])
+        np.testing.assert_array_equal(got, np.random.default_rng((seed, epoch)).permutation(n))
+        orders[seed, epoch] = tuple(got)
+    assert len(set(orders.values())) == 4  # every (seed, epoch) its own order (50! of them)
+    assert orders[1, 0] == tuple(ip.epoch_order(n, shuffle=True, seed=1, epoch=0))
+
+
 @pytest.mark.parametrize("source", ["digits", "imagefolder"])
 def test_any_process_by_device_split_gives_the_same_global_batch(tmp_path, source):
     """1x8, 2x4, 4x2 processes x devices: each process loads only its rows (ranks are

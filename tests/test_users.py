@@ -4,10 +4,32 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PY = sys.executable
+
+
+def _tensorboard_scalars(folder) -> dict:
+    """``{(tag, step): float32 value}`` of every event file under ``folder``, read as TFRecords
+    (uint64 length, uint32 crc, an ``Event`` proto, uint32 crc) with tensorboardX's protos."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    out = {}
+    files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if "tfevents" in f]
+    assert files, os.listdir(folder)
+    for path in files:
+        data = open(path, "rb").read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                assert (v.tag, event.step) not in out, (v.tag, event.step)
+                out[v.tag, event.step] = np.float32(v.simple_value)
+    return out
 
 
 def _run(*args, timeout=300):
@@ -45,7 +67,13 @@ def test_cifar_format_run_plot_and_quiet_mode(tmp_path):
     assert summary["compiles_during_training"] == 0
     # not a terminal: no progress bar in the output
     assert "\r" not in out.stdout + out.stderr and "step/s" not in out.stderr
-    assert os.listdir(work / "tensorboard")
+    # TensorBoard holds every logged scalar of metrics.jsonl, at its step, with its value
+    rows = [json.loads(l) for l in (work / "metrics.jsonl").read_text().splitlines()]
+    want = {(k, r["step"]): v for r in rows for k, v in r.items() if k not in ("epoch", "step")}
+    got = _tensorboard_scalars(work / "tensorboard")
+    assert set(got) == set(want) and len(rows) == 2
+    for key, v in want.items():
+        assert got[key] == np.float32(v), (key, got[key], v)
     out = _run("scripts/plot.py", str(work))
     assert out.returncode == 0, out.stderr
     png = (work / "curves.png").read_bytes()
