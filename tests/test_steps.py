@@ -156,3 +156,28 @@ def test_kernel_order_ihwo_equals_hwio_and_packs_without_transposes():
     assert producers["HWIO"][:4] == ["fusion"] * 4, producers
     assert producers["IHWO"][:8] == ["bitcast"] * 8, producers
     assert producers["IHWO"].count("fusion") < producers["HWIO"].count("fusion")
+
+
+def test_loss_scaled_step_applies_the_unscaled_gradient():
+    """Issue 17 item 4: with dynamic loss scaling (scale 1024) the applied update equals the
+    single-device reference's: the gradient is divided by the scale exactly once (a step
+    that forgets it moves the parameters ~1025x too far). The scale then grows after
+    ``growth_interval`` good steps."""
+    from trjax.state import create_train_state
+    batch = random_batch(32, seed=4)
+    world, model, plan, tx, _ = setup("all", 32, "sync")
+    ex = exchange.allreduce(tx, plan)
+    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), "sync",
+                               loss_scale=1024.0)
+    s0 = to_host(state)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, ex, plan, world, "sync", dynamic_loss_scale=True, growth_interval=1),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    s1, m = step(state, jax.device_put(batch, world.sharded()))
+    p_ref, bs_ref, _, loss_ref, _ = reference_step("resnet8", s0.params, s0.batch_stats,
+                                                    s0.opt_state, tx, batch)
+    assert max_rel(to_host(s1.params), p_ref) <= 1e-5
+    assert max_rel(to_host(s1.batch_stats), bs_ref) <= 1e-5
+    assert float(s1.loss_scale) == 2048.0 and int(s1.skipped_steps) == 0
+    # the reported loss is the unscaled one
+    np.testing.assert_allclose(float(m[0]) / 32, float(loss_ref), rtol=1e-5)
