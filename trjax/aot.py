@@ -10,6 +10,7 @@ differ from the compiled ones instead of recompiling.
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Callable
 
 import jax
@@ -25,6 +26,10 @@ def abstract(tree):
 
 def _spec_str(a) -> str:
     return f"{tuple(a.shape)} {np.dtype(a.dtype).name}"
+
+
+def _dead():
+    return None
 
 
 def _sig_str(want) -> str:
@@ -115,6 +120,7 @@ class CompiledStep:
         self._paths = [jax.tree_util.keystr(p) for p, _ in
                        jax.tree_util.tree_flatten_with_path(signature)[0]]
         self._leaves, self._treedef = jax.tree_util.tree_flatten(signature)
+        self._fresh: dict = {}  # id -> weakref of the previous call's outputs
 
     def check(self, *args) -> tuple:
         """Checks (and converts, see the class docstring) every argument leaf.
@@ -165,14 +171,25 @@ class CompiledStep:
     def __call__(self, *args):
         args = self.check(*args)
         if self.donate_argnums:
+            donated = jax.tree_util.tree_leaves([args[i] for i in self.donate_argnums])
             # Every call, not only the first: a later call may bring aliased leaves
-            # too. Buffers of the arguments that are not donated count as taken.
-            kept = [a for i, a in enumerate(args) if i not in self.donate_argnums]
-            seen = _buffers(kept)
-            args = tuple(dealias(a, seen) if i in self.donate_argnums else a
-                         for i, a in enumerate(args))
+            # too. Fast path (the training loop): every donated leaf is a different
+            # output of the previous call, i.e. a distinct buffer XLA returned. Otherwise
+            # the buffers of the arguments that are not donated count as taken and
+            # each donated leaf gets its own buffer.
+            fresh, ids = self._fresh, {id(x) for x in donated}
+            if len(ids) < len(donated) or not all(fresh.get(id(x), _dead)() is x
+                                                  for x in donated):
+                kept = [a for i, a in enumerate(args) if i not in self.donate_argnums]
+                seen = _buffers(kept)
+                args = tuple(dealias(a, seen) if i in self.donate_argnums else a
+                             for i, a in enumerate(args))
         self.calls += 1
-        return self.compiled(*args)
+        out = self.compiled(*args)
+        if self.donate_argnums:
+            self._fresh = {id(x): weakref.ref(x) for x in jax.tree_util.tree_leaves(out)
+                           if isinstance(x, jax.Array)}
+        return out
 
     def memory(self) -> dict[str, int]:
         """The compiled executable's memory statistics, in bytes."""
