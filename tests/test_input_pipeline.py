@@ -309,3 +309,49 @@ def test_bench_input_runs_tiny(tmp_path):
     assert [x["workers"] for x in res] == [0] and report["images_in_folder"] == 32
     assert res[0]["images"] == 16 and res[0]["images_per_s"] > 0 and res[0]["cpu_ms_per_image"] > 0
     assert "images/s" in r.stdout  # timed: batches 2..6 of 8 (the middle half), 4 rows each
+
+
+def test_to_device_checks_the_range_of_the_device_dtype_and_names_step_and_example():
+    """Issue 13 item 4: the finiteness check also runs after the cast (uint16 65535 in float16,
+    float64 1e300 in float32 would become inf), naming value, position, step, example, dtype."""
+    import jax.numpy as jnp
+    w = make_world("all", 8)
+    u16 = np.zeros((8, 4, 4, 1), np.uint16)
+    u16[3, 2, 1, 0] = 65535
+    index = np.arange(100, 108)
+    with pytest.raises(ValueError, match=r"65535 \(uint16\) at position \(3, 2, 1, 0\) of the batch "
+                                         r"of step 7 \(example 103 of the data set\) does not fit "
+                                         r"the device dtype float16"):
+        ip.to_device({"image": u16, "label": np.zeros(8, int), "index": index}, w.sharded(), 10,
+                     jnp.float16, step=7)
+    out = ip.to_device({"image": u16, "label": np.zeros(8, int)}, w.sharded(), 10, jnp.float32)
+    assert out["image"].dtype == np.float32 and float(out["image"][3, 2, 1, 0]) == 65535.0
+    f64 = np.zeros((8, 4, 4, 1), np.float64)
+    f64[6, 0, 0, 0] = 1e300
+    with pytest.raises(ValueError, match=r"1e\+300 \(float64\) at position \(6, 0, 0, 0\).*float32"):
+        ip.to_device({"image": f64, "label": np.zeros(8, int)}, w.sharded(), 10, np.float32)
+    f32 = np.zeros((8, 4, 4, 1), np.float32)
+    f32[1, 0, 0, 0] = 7e4
+    with pytest.raises(ValueError, match=r"70000.0 \(float32\) at position \(1, 0, 0, 0\).*float16"):
+        ip.to_device({"image": f32, "label": np.zeros(8, int)}, w.sharded(), 10, jnp.float16)
+    # a padding row may hold anything; a NaN in a real row names step and example
+    f64[6, 0, 0, 0] = 0.0
+    f64[7, 0, 0, 0] = 1e300
+    ip.to_device({"image": f64, "label": np.zeros(8, int), "mask": np.r_[np.ones(7), 0]},
+                 w.sharded(), 10, np.float32)
+    f64[2, 1, 1, 0] = np.nan
+    with pytest.raises(ValueError, match=r"nan at position \(2, 1, 1, 0\) of the batch of step 3 "
+                                         r"\(example 102 of the data set\) is not finite"):
+        ip.to_device({"image": f64, "label": np.zeros(8, int), "mask": np.r_[np.ones(7), 0],
+                      "index": index}, w.sharded(), 10, np.float32, step=3)
+
+
+def test_batches_carry_each_rows_example_index():
+    split = ip.Split(np.zeros((10, 2, 2, 1), np.uint8), np.arange(10, dtype=np.int32))
+    batches = list(ip.iterate_batches(split, 4, shuffle=True, seed=1, epoch=2))
+    order = ip.epoch_order(10, shuffle=True, seed=1, epoch=2)
+    assert [b["index"].tolist() for b in batches] == [order[:4].tolist(), order[4:8].tolist(),
+                                                     order[8:].tolist() + [-1, -1]]
+    for b in batches:  # the label of each row is the label of the example it names
+        real = b["index"] >= 0
+        assert b["label"][real].tolist() == b["index"][real].tolist()

@@ -62,15 +62,38 @@ def test_running_mode_replicas_hold_identical_stats():
     assert max_rel(to_host(s1.batch_stats), s0.batch_stats) > 1e-3
 
 
-def test_running_mode_stats_are_mean_of_local_updates():
-    """running = mean over replicas of each replica's local running-stat update."""
+def test_running_mode_stats_are_the_global_batch_statistics():
+    """running = every replica's local per-channel (sum x, sum x^2, n) added over replicas,
+    then the running update (unbiased n/(n-1) on the global n): NOT the equal-weight mean of
+    the replicas' local running-stat updates (that misses the spread of the local means)."""
+    from trjax import models
     batch = random_batch(32, seed=2)
     _, tx, s0, s1, _ = _run_one_step("0-3", "running", batch)
-    per_replica = [reference_step("resnet8", s0.params, s0.batch_stats, s0.opt_state, tx,
-                                  {k: v[8 * r:8 * r + 8] for k, v in batch.items()})[1]
-                   for r in range(4)]
-    want = jax.tree_util.tree_map(lambda *xs: np.mean(np.stack(xs), 0), *per_replica)
-    assert max_rel(to_host(s1.batch_stats), want) <= 1e-5
+    local = models.create_model("resnet8", num_classes=10, bn_mode="local", axis_name=None)
+    sums = []
+    for r in range(4):  # each replica's own forward, its own rows
+        _, v = local.apply({"params": s0.params, "batch_stats": s0.batch_stats},
+                           batch["image"][8 * r:8 * r + 8], train=True,
+                           mask=batch["mask"][8 * r:8 * r + 8], mutable=["batch_stats", "bn_sums"])
+        sums.append(to_host(v["bn_sums"]))
+    total = jax.tree_util.tree_map(lambda *xs: np.sum(np.stack(xs).astype(np.float64), 0), *sums)
+
+    def want(old, sm):  # numpy, from the summed moments
+        c = (sm.size - 1) // 2
+        n = sm[-1]
+        mean = sm[:c] / n
+        var = (sm[c:2 * c] / n - mean ** 2) * n / (n - 1)
+        return {"mean": 0.9 * old["mean"] + 0.1 * mean, "var": 0.9 * old["var"] + 0.1 * var}
+
+    def walk(old, sm):
+        return want(old, sm["sums"]) if "mean" in old else {k: walk(old[k], sm[k]) for k in old}
+
+    assert max_rel(to_host(s1.batch_stats), walk(s0.batch_stats, total)) <= 1e-5
+    equal_weight = jax.tree_util.tree_map(
+        lambda *xs: np.mean(np.stack(xs), 0),
+        *[reference_step("resnet8", s0.params, s0.batch_stats, s0.opt_state, tx,
+                         {k: v[8 * r:8 * r + 8] for k, v in batch.items()})[1] for r in range(4)])
+    assert max_rel(to_host(s1.batch_stats), equal_weight) > 1e-4  # the seed's rule differs
 
 
 def test_local_mode_replicas_diverge():
@@ -156,3 +179,28 @@ def test_kernel_order_ihwo_equals_hwio_and_packs_without_transposes():
     assert producers["HWIO"][:4] == ["fusion"] * 4, producers
     assert producers["IHWO"][:8] == ["bitcast"] * 8, producers
     assert producers["IHWO"].count("fusion") < producers["HWIO"].count("fusion")
+
+
+def test_loss_scaled_step_applies_the_unscaled_gradient():
+    """Issue 17 item 4: with dynamic loss scaling (scale 1024) the applied update equals the
+    single-device reference's: the gradient is divided by the scale exactly once (a step
+    that forgets it moves the parameters ~1025x too far). The scale then grows after
+    ``growth_interval`` good steps."""
+    from trjax.state import create_train_state
+    batch = random_batch(32, seed=4)
+    world, model, plan, tx, _ = setup("all", 32, "sync")
+    ex = exchange.allreduce(tx, plan)
+    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), "sync",
+                               loss_scale=1024.0)
+    s0 = to_host(state)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, ex, plan, world, "sync", dynamic_loss_scale=True, growth_interval=1),
+        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    s1, m = step(state, jax.device_put(batch, world.sharded()))
+    p_ref, bs_ref, _, loss_ref, _ = reference_step("resnet8", s0.params, s0.batch_stats,
+                                                    s0.opt_state, tx, batch)
+    assert max_rel(to_host(s1.params), p_ref) <= 1e-5
+    assert max_rel(to_host(s1.batch_stats), bs_ref) <= 1e-5
+    assert float(s1.loss_scale) == 2048.0 and int(s1.skipped_steps) == 0
+    # the reported loss is the unscaled one
+    np.testing.assert_allclose(float(m[0]) / 32, float(loss_ref), rtol=1e-5)

@@ -123,7 +123,7 @@ def test_comm_report_default_config():
     ("model", "resnet7", "config.model='resnet7'"),
     ("devices", "0-9", "device spec '0-9' names device id(s) [8, 9]"),
     ("global_batch_size", 100, "global_batch_size 100 is not divisible by world_size 8; use 96 or 104"),
-    ("eval_batch_size", 4, "global_batch_size 4 is smaller than world_size 8"),
+    ("eval_batch_size", 4, "config.eval_batch_size 4 is smaller than world_size 8"),
     ("num_epochs", 0, "config.num_epochs=0 must be a positive int"),
     ("precision", "fp8", "config.precision='fp8' is not one of"),
     ("buckets", "size:x", "config.buckets='size:x' is not one of"),

@@ -40,3 +40,23 @@ def test_make_world():
     with pytest.raises(ValueError, match="not divisible"):
         make_world("0-2", 8)
     assert len(jax.devices()) == 8
+
+
+def test_batch_messages_name_the_field_the_user_set():
+    """Issue 13 item 2: eval_batch_size=10 used to say 'global_batch_size 10 is not divisible'."""
+    from helpers import small_config
+    from trjax import config as config_lib
+    for field, value, needle in [
+            ("eval_batch_size", 10, "config.eval_batch_size 10 is not divisible by world_size 8; "
+                                    "use 8 or 16 (local batch 1 or 2)"),
+            ("eval_batch_size", 4, "config.eval_batch_size 4 is smaller than world_size 8"),
+            ("global_batch_size", 100, "config.global_batch_size 100 is not divisible by "
+                                       "world_size 8; use 96 or 104")]:
+        with pytest.raises(ValueError) as e:
+            config_lib.validate(small_config(**{field: value}), 8)
+        assert needle in str(e.value)
+        other = "global_batch_size" if field == "eval_batch_size" else "eval_batch_size"
+        assert other not in str(e.value)
+    with pytest.raises(ValueError, match=r"^config.eval_batch_size 3 is not divisible by "
+                                         r"world_size 2; use 2 or 4 \(local batch 1 or 2\)"):
+        check_batch_split(3, 2, "config.eval_batch_size")

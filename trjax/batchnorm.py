@@ -8,16 +8,34 @@ One module, three modes (``BN_MODES``):
   ``psum`` over the data axis per layer gives the global values, so N devices
   normalise exactly as one device on the concatenated batch.
 * ``running`` -- the seed framework's scheme: the forward pass normalises with
-  local batch statistics; after the step the running mean/var are all-reduced
-  (see :func:`trjax.collectives.allreduce_batch_stats`) so every replica holds
-  identical statistics.
+  local batch statistics; after the step ONE all-reduce carries every layer's
+  per-channel ``(sum x, sum x^2, n)`` (see
+  :func:`trjax.collectives.allreduce_batch_stats`), and the running mean/var
+  are updated from the global batch's statistics, identical on every replica.
 * ``local`` -- no synchronisation at all, for comparison: each replica keeps its
-  own running statistics.
+  own running statistics, updated from its own rows.
 
-Statistics are accumulated in float32 whatever the compute dtype. Rows with
-mask 0 (padding) contribute nothing to the statistics, and leave the layer as
-zeros (so they stay finite even on a device that holds only padding). The running variance
-is the biased (population) variance of the batch, as in flax.
+Exactness (every mode): statistics are accumulated in float32 whatever the
+compute dtype, from per-channel sums ``(sum x, sum x^2, n)`` over real
+(mask = 1) rows only. Per-device results are never averaged with equal weight:
+the sums are added (across devices in ``sync`` / ``running``, across the
+micro-batches of gradient accumulation), so the running statistics are those of
+the concatenated real rows, whatever the number of real rows per device. A
+device (or micro-batch) with only padding adds zeros; when the whole batch has
+no real row the running statistics are left unchanged. Padding rows leave the
+layer as zeros (so they stay finite even on a device that holds only padding).
+
+Running update (PyTorch ``BatchNorm`` / ``SyncBatchNorm`` convention): with
+the batch's ``n`` real values per channel (rows x spatial positions, global in
+``sync`` / ``running``), mean ``m = sum x / n`` and biased variance
+``v = sum x^2 / n - m^2``,
+
+    running_mean <- momentum * running_mean + (1 - momentum) * m
+    running_var  <- momentum * running_var  + (1 - momentum) * v * n / (n - 1)
+
+(``n / (n - 1)`` is taken as 1 when ``n == 1``). The forward pass normalises
+with the biased ``v``. Example: device A's real rows [0, 0, 0], device B's
+one real row [4] plus padding: m = 1.0, v = 3.0, unbiased 4.0.
 """
 
 from __future__ import annotations
@@ -64,6 +82,65 @@ def fold_batchnorm_tree(params, batch_stats, epsilon: float = 1e-5):
     return walk(params, batch_stats)
 
 
+def moments(sums):
+    """Mean and biased variance from packed per-channel sums.
+
+    Args:
+      sums: ``[2C + 1]`` float32: ``sum x`` ``[C]``, ``sum x^2`` ``[C]``, ``n``
+        (the count of real values per channel).
+
+    Returns:
+      ``(mean [C], biased var [C], n scalar)``; with ``n == 0`` mean and var are 0.
+    """
+    c = (sums.shape[0] - 1) // 2
+    n = sums[2 * c]
+    d = jnp.maximum(n, 1.0)
+    mean = sums[:c] / d
+    return mean, jnp.maximum(sums[c:2 * c] / d - mean * mean, 0.0), n
+
+
+def running_update(mean, var, sums, momentum: float):
+    """The running statistics after one batch (the rule in the module docstring).
+
+    Args:
+      mean, var: ``[C]`` float32 running statistics.
+      sums: ``[2C + 1]`` float32 packed ``(sum x, sum x^2, n)`` of the batch's
+        real rows (global where the mode is).
+      momentum: decay of the running statistics.
+
+    Returns:
+      ``(mean, var)`` ``[C]``: unchanged when ``n == 0``; otherwise
+      ``momentum * old + (1 - momentum) * batch`` with the batch variance
+      made unbiased by ``n / (n - 1)`` (as PyTorch's BatchNorm / SyncBatchNorm).
+    """
+    b_mean, b_var, n = moments(sums)
+    unbiased = b_var * jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
+    has_rows = n > 0
+    return (jnp.where(has_rows, momentum * mean + (1 - momentum) * b_mean, mean),
+            jnp.where(has_rows, momentum * var + (1 - momentum) * unbiased, var))
+
+
+def update_running_tree(batch_stats, bn_sums, momentum: float):
+    """Applies :func:`running_update` to every BatchNorm of a model.
+
+    Args:
+      batch_stats: ``{..module path..: {"mean": [C], "var": [C]}}``.
+      bn_sums: the ``bn_sums`` collection the model wrote in training
+        (``{..module path..: {"sums": [2C + 1]}}``, same module paths), summed
+        over devices and micro-batches as the mode requires.
+      momentum: the BatchNorm momentum.
+
+    Returns:
+      The new ``batch_stats`` tree.
+    """
+    def walk(st, sm):
+        if "mean" in st and "var" in st:
+            m, v = running_update(st["mean"], st["var"], sm["sums"], momentum)
+            return {"mean": m, "var": v}
+        return {k: walk(st[k], sm[k]) for k in st}
+    return walk(batch_stats, bn_sums)
+
+
 def _per_channel(v, x):
     """``[C]`` as ``[1, ..., 1, C]``, to broadcast against ``x [..., C]`` explicitly."""
     return v.reshape((1,) * (x.ndim - 1) + v.shape)
@@ -86,6 +163,11 @@ class BatchNorm(nn.Module):
         running statistics.
       mask: optional ``[B]`` float/bool, 1 for real rows, 0 for padding; ``B``
         is ``x.shape[0]``.
+
+    In training, when the ``bn_sums`` collection is mutable, the layer also
+    writes this batch's packed ``(sum x, sum x^2, n)`` there (``[2C + 1]``,
+    global in ``sync`` mode, this device's own otherwise): the train step adds
+    them over devices and micro-batches and applies :func:`update_running_tree`.
     """
 
     mode: str = "sync"
@@ -138,20 +220,16 @@ class BatchNorm(nn.Module):
             stats_packed = lax.psum(stats_packed, self.axis_name)
             packed = lax.pcast(lax.psum(packed, self.axis_name), self.axis_name, to="varying")
 
-        def moments(v):
-            n = jnp.maximum(v[2 * c], 1.0)
-            mean = v[:c] / n
-            return mean, jnp.maximum(v[c:2 * c] / n - mean * mean, 0.0), v[2 * c]
-
         mean, var, _ = moments(packed)
+        if self.is_mutable_collection("bn_sums") and not self.is_initializing():
+            # This batch's sums (global in sync mode), for the caller to add over
+            # devices / micro-batches and apply with update_running_tree.
+            self.put_variable("bn_sums", "sums", stats_packed)
         if not self.is_initializing():
-            # Running statistics from the (stop-gradient) replicated copy: they stay
-            # replicated ("invariant") across the data axis in sync mode.
-            b_mean, b_var, count = moments(stats_packed)
-            has_rows = count > 0
-            mom = self.momentum
-            ra_mean.value = jnp.where(has_rows, mom * ra_mean.value + (1 - mom) * b_mean, ra_mean.value)
-            ra_var.value = jnp.where(has_rows, mom * ra_var.value + (1 - mom) * b_var, ra_var.value)
+            # Running statistics from the (stop-gradient) copy: replicated
+            # ("invariant") across the data axis in sync mode.
+            ra_mean.value, ra_var.value = running_update(ra_mean.value, ra_var.value,
+                                                         stats_packed, self.momentum)
 
         a = scale * lax.rsqrt(var + self.epsilon)
         b = bias - mean * a

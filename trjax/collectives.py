@@ -6,8 +6,8 @@ own in-process or gloo implementation on CPU).
 
 * :func:`allreduce_buckets` -- the gradient sync: ONE all-reduce per bucket,
   ``deep`` first, ``first`` second (the seed's DEEP_COMM / FIRST_COMM).
-* :func:`allreduce_batch_stats` -- the seed's STATS_COMM: the mean of every
-  replica's BN running statistics, as one buffer.
+* :func:`allreduce_batch_stats` -- the seed's STATS_COMM: every layer's BN
+  batch sums ``(sum x, sum x^2, n)`` added over replicas, as one buffer.
 * :func:`broadcast_from_rank0` -- every replica takes rank 0's bits.
 * :func:`allreduce_sums` -- exact global sums of metric accumulators.
 """
@@ -76,23 +76,27 @@ def allreduce_buckets(buffers: Mapping[str, jax.Array], axis_name: str,
 
 
 def allreduce_batch_stats(stats_buffer: jax.Array, axis_name: str, done: jax.Array | None = None):
-    """Mean of the BN running statistics over replicas, in one all-reduce.
+    """Global BN batch sums, in one all-reduce (the seed's STATS_COMM).
+
+    The buffer holds, per BatchNorm layer, ``(sum x [C], sum x^2 [C], n)`` of
+    this replica's real rows; the SUM over replicas is the global batch's
+    sums, so the running statistics computed from it
+    (:func:`trjax.batchnorm.update_running_tree`) weight every replica by its
+    real row count: a replica holding only padding adds zeros. (The seed
+    averaged the replicas' running statistics with equal weight instead.)
 
     Args:
-      stats_buffer: ``[n_stats] float32``, every BN's running mean and var
-        laid out by :meth:`trjax.plan.MemoryPlan.pack_stats`.
+      stats_buffer: ``[n_stats] float32``, the packed sums (counts included).
       axis_name: the data axis.
       done: optional array the reduction must follow (the last gradient
         bucket), so the combiner cannot fold it into a gradient all-reduce.
 
     Returns:
-      ``[n_stats]``: ``sum over replicas / world_size``, bitwise identical on
-      every replica.
+      ``[n_stats]``: the sum over replicas, bitwise identical on every replica.
     """
     if done is not None:
         stats_buffer = after(stats_buffer, done)
-    n = lax.psum(1, axis_name)
-    return lax.psum(stats_buffer, axis_name) * (1.0 / n)
+    return lax.psum(stats_buffer, axis_name)
 
 
 def broadcast_from_rank0(tree, axis_name: str):

@@ -88,8 +88,8 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
                          f"{c.optimizer!r}, {c.compression!r}, {c.allreduce!r})")
     if world_size is None:
         return
-    check_batch_split(c.global_batch_size, world_size)
-    check_batch_split(c.eval_batch_size, world_size)
+    check_batch_split(c.global_batch_size, world_size, "config.global_batch_size")
+    check_batch_split(c.eval_batch_size, world_size, "config.eval_batch_size")
     local, k = c.global_batch_size // world_size, c.grad_accumulation_steps
     if local % k:
         raise ValueError(f"config.grad_accumulation_steps={k!r} must divide the local batch "

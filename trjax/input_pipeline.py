@@ -108,7 +108,10 @@ class BatchMaker:
                     continue
                 images[k] = augment.train_crop(img, rngs[k], s) if self.augment \
                     else augment.eval_crop(img, s)
-        return {"image": images, "label": labels, "mask": mask, "skipped": tuple(skipped)}
+        index = np.full(size, -1, np.int64)
+        index[:len(idx)] = idx
+        return {"image": images, "label": labels, "mask": mask, "index": index,
+                "skipped": tuple(skipped)}
 
 
 def available_cores() -> int:
@@ -181,8 +184,9 @@ def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
         (masked out) by sources with ``skip_bad_images``.
 
     Yields:
-      ``{"image": [hi - lo, H, W, C], "label": [hi - lo] int32, "mask": [hi - lo] float32}``;
-      images uint8 (or the in-memory split's own dtype).
+      ``{"image": [hi - lo, H, W, C], "label": [hi - lo] int32, "mask": [hi - lo] float32,
+      "index": [hi - lo] int64}``; images uint8 (or the in-memory split's own
+      dtype); ``index`` is each row's example index in ``split`` (-1 on padding).
 
     Raises:
       BadImage (a ValueError): an undecodable file, naming it, without ``skip_bad_images``.
@@ -209,7 +213,7 @@ def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
         for batch in source:
             if skipped is not None:
                 skipped.update(batch["skipped"])
-            yield {k: np.asarray(batch[k]) for k in ("image", "label", "mask")}
+            yield {k: np.asarray(batch[k]) for k in ("image", "label", "mask", "index")}
     finally:
         if close is not None:
             close()
@@ -335,7 +339,18 @@ def device_image_dtype(host_dtype, compute_dtype) -> np.dtype:
     return np.dtype(np.uint8) if np.dtype(host_dtype) == np.uint8 else np.dtype(compute_dtype)
 
 
-def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict:
+def _where(pos, step, index) -> str:
+    """`` at position (..) [of the batch of step S] [(example I of the data set)]``."""
+    out = f" at position {pos[0] if len(pos) == 1 else pos}"
+    if step is not None:
+        out += f" of the batch of step {step}"
+    if index is not None and 0 <= int(index[pos[0]]):
+        out += f" (example {int(index[pos[0]])} of the data set)"
+    return out
+
+
+def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32, *,
+              step: int | None = None) -> dict:
     """The one host->device boundary: checks, casts and shards a host batch.
 
     ``batch`` holds this process's rows of the global batch (all of them in a
@@ -345,16 +360,30 @@ def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict
     they become int32. uint8 images travel as uint8 (the compiled step
     normalises them, :func:`normalize`); other images are cast explicitly to
     ``dtype`` (float64 and integer inputs are converted by value, never
-    reinterpreted), and non-finite pixels in real rows of float images are an
-    error. The mask becomes float32.
+    reinterpreted). Every real row's pixels must be finite both before AND
+    after that cast: a value the device dtype cannot hold (uint16 65535 or
+    float32 70000 in float16, a float64 1e300 in float32) would become inf on
+    the device. The mask becomes float32.
+
+    Args:
+      batch: ``{"image": [B, ...], "label": [B], "mask": [B]}`` and optionally
+        ``"index": [B]`` (each row's example index in the data set, -1 on
+        padding, as :func:`iterate_batches` yields it), used in messages.
+      sharding: the batch sharding (the world's data axis).
+      num_classes: labels must lie in ``[0, num_classes)``.
+      dtype: the compute dtype non-uint8 images are cast to.
+      step: the 1-based step this batch feeds, named in messages (or ``None``).
 
     Raises:
-      ValueError: a label out of range or not integral (names the value and
-        its position), non-finite pixels (names the first position), or
-        mismatched leading dimensions.
+      ValueError: a label out of range or not integral, a non-finite pixel, or
+        a pixel the device dtype cannot represent (each names the value, the
+        position in the batch, the step and the example index when known, and
+        the dtypes), or mismatched leading dimensions.
     """
     images, labels = np.asarray(batch["image"]), np.asarray(batch["label"])
     mask = np.asarray(batch.get("mask", np.ones(len(labels), np.float32)))
+    index = batch.get("index")
+    index = None if index is None else np.asarray(index)
     if not (len(images) == len(labels) == len(mask)):
         raise ValueError(f"batch fields disagree on the batch size: image {images.shape}, "
                          f"label {labels.shape}, mask {mask.shape}")
@@ -362,19 +391,36 @@ def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32) -> dict
     if not np.issubdtype(labels.dtype, np.integer):
         if not np.all(np.equal(np.mod(labels[real], 1), 0)):
             pos = int(np.flatnonzero(real & (np.mod(labels, 1) != 0))[0])
-            raise ValueError(f"label {labels[pos].item()!r} at position {pos} is not an integer class id")
+            raise ValueError(f"label {labels[pos].item()!r}{_where((pos,), step, index)} "
+                             "is not an integer class id")
     bad = real & ((labels < 0) | (labels >= num_classes))
     if bad.any():
         pos = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"label {labels[pos].item()!r} at position {pos} is outside [0, {num_classes}); "
-                         f"fix the data or set num_classes")
+        raise ValueError(f"label {labels[pos].item()!r}{_where((pos,), step, index)} is outside "
+                         f"[0, {num_classes}); fix the data or set num_classes")
+    rows = real.reshape((-1,) + (1,) * (images.ndim - 1))
     if np.issubdtype(images.dtype, np.floating):
-        nonfinite = real.reshape((-1,) + (1,) * (images.ndim - 1)) & ~np.isfinite(images)
+        nonfinite = rows & ~np.isfinite(images)
         if nonfinite.any():
             pos = tuple(int(i) for i in np.argwhere(nonfinite)[0])
-            raise ValueError(f"image value {images[pos].item()!r} at position {pos} is not finite")
-    host = {"image": images.astype(device_image_dtype(images.dtype, dtype), copy=False),
-            "label": labels.astype(np.int32, copy=False), "mask": mask.astype(np.float32, copy=False)}
+            raise ValueError(f"image value {images[pos].item()!r}{_where(pos, step, index)} "
+                             "is not finite")
+    target = device_image_dtype(images.dtype, dtype)
+    with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below
+        cast = images.astype(target, copy=False)
+    if np.issubdtype(target, np.floating) and cast is not images and \
+            (np.issubdtype(images.dtype, np.integer) or
+             np.finfo(images.dtype).max > np.finfo(target).max):
+        overflow = rows & ~np.isfinite(cast)
+        if overflow.any():
+            pos = tuple(int(i) for i in np.argwhere(overflow)[0])
+            raise ValueError(
+                f"image value {images[pos].item()!r} ({images.dtype}){_where(pos, step, index)} "
+                f"does not fit the device dtype {np.dtype(target).name} (largest "
+                f"{float(np.finfo(target).max):g}); it would become inf. Scale the images "
+                f"into range (e.g. to [0, 1] or uint8) or use a wider precision")
+    host = {"image": cast, "label": labels.astype(np.int32, copy=False),
+            "mask": mask.astype(np.float32, copy=False)}
     # Rows of this process only (all rows with one process): each process
     # hands over its part of the global batch.
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in host.items()}

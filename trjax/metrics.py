@@ -23,8 +23,10 @@ class StepMetrics(NamedTuple):
     """One step's global sums (float32 scalars, replicated), or a running total.
 
     Attributes:
-      loss_sum: sum of per-example cross-entropy losses over real rows.
-      top1, top5: real rows whose true class ranks first / within the top 5.
+      loss_sum: sum of per-example cross-entropy losses over real rows
+        (non-finite when any real row's loss is).
+      top1, top5: real rows whose true class ranks first / within the top 5
+        (ties against the label, NaN rows never; see :func:`batch_metrics`).
       count: real rows (mask 1).
       finite: 1.0 when the update was applied, 0.0 when a non-finite gradient
         skipped it; in a total (:meth:`plus`), the number of applied steps.
@@ -54,7 +56,11 @@ class StepMetrics(NamedTuple):
         return StepMetrics(*(a + b for a, b in zip(self, other)))
 
     def rates(self) -> dict[str, float]:
-        """``{"loss", "top1", "top5"}``: the sums over ``max(count, 1)``."""
+        """``{"loss", "top1", "top5"}``: the sums over ``max(count, 1)``.
+
+        A non-finite ``loss_sum`` gives a non-finite ``loss`` (NaN or inf, as
+        the sum), which the caller reports as it is (``nan`` in the log line,
+        ``NaN`` in metrics.jsonl / summary.json)."""
         count = max(float(self.count), 1.0)
         return {"loss": float(self.loss_sum) / count, "top1": float(self.top1) / count,
                 "top5": float(self.top5) / count}
@@ -64,15 +70,32 @@ def batch_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.
     """Per-batch sums over real rows: ``[loss_sum, top1, top5, count]`` float32.
 
     Args:
-      logits: ``[B, K]`` float32; labels: ``[B]`` int32; mask: ``[B]`` float32.
+      logits: ``[B, K]`` float32; labels: ``[B]`` int32 in ``[0, K)``;
+      mask: ``[B]`` float32, 1 for real rows, 0 for padding.
 
-    top-k counts an example as correct when fewer than k logits are strictly
-    greater than the true class's logit (k = min(5, K) for top-5).
+    Top-k rule (k = 1 and k = min(5, K)): a row is correct when fewer than k
+    OTHER classes have a logit greater than OR EQUAL to the true class's logit,
+    i.e. ties are broken against the label, and a row with any NaN logit is
+    never correct. So all-equal logits over 10 classes score top-1 0 and
+    top-5 0, and NaN logits score 0 (PyTorch's ``topk`` would instead rank
+    tied classes by index, and NaN above every number). ``+inf`` is an
+    ordinary value: a true logit of ``+inf`` is correct only if no other
+    logit is ``+inf``.
+
+    Padding rows count nowhere: their loss (NaN included) is replaced by 0,
+    not multiplied by the mask. A real row whose loss is not finite makes
+    ``loss_sum`` non-finite, and the caller reports it as such.
     """
+    k = logits.shape[1]
+    real = mask > 0
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     true_logit = jnp.take_along_axis(logits, labels[:, None], axis=1)
-    rank = jnp.sum(logits > true_logit, axis=1)
-    k5 = min(5, logits.shape[1])
-    return jnp.stack([jnp.sum(losses * mask), jnp.sum((rank < 1) * mask),
-                      jnp.sum((rank < k5) * mask), jnp.sum(mask)]).astype(jnp.float32)
-
+    others = jnp.arange(k)[None, :] != labels[:, None]
+    rank = jnp.sum((logits >= true_logit) & others, axis=1)
+    valid = real & ~jnp.any(jnp.isnan(logits), axis=1)
+    k5 = min(5, k)
+    zero = jnp.zeros((), jnp.float32)
+    return jnp.stack([jnp.sum(jnp.where(real, losses, zero)),
+                      jnp.sum(jnp.where(valid & (rank < 1), 1.0, zero)),
+                      jnp.sum(jnp.where(valid & (rank < k5), 1.0, zero)),
+                      jnp.sum(jnp.where(real, 1.0, zero))]).astype(jnp.float32)

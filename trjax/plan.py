@@ -180,6 +180,7 @@ class MemoryPlan:
                          "elements": r.size, "bytes": r.nbytes} for r in self.regions],
             "metrics": {"bucket": self.metrics_slot[0], "offset": self.metrics_slot[1]},
             "stats_elements": sum(s for _, s, _ in self.stats_slots.values()),
+            "stat_sums_elements": self.stat_sums_elements,
             "memory": self.memory,
         }
 
@@ -212,13 +213,13 @@ class MemoryPlan:
         return (jax.tree_util.tree_unflatten(self.params_treedef, leaves),
                 buffers[b][m0:m0 + len(METRICS)])
 
-    def pack_stats(self, batch_stats) -> jax.Array:
-        leaves = jax.tree_util.tree_leaves(batch_stats)
-        return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
-
-    def unpack_stats(self, buffer: jax.Array):
-        leaves = [buffer[o:o + n].reshape(shape) for o, n, shape in self.stats_slots.values()]
-        return jax.tree_util.tree_unflatten(self.stats_treedef, leaves)
+    @property
+    def stat_sums_elements(self) -> int:
+        """Elements of the ``running`` mode's one statistics all-reduce: per
+        BatchNorm ``(sum x [C], sum x^2 [C], n)``, i.e. ``2C + 1``
+        (:func:`trjax.steps.sync_batch_stats`)."""
+        return sum(2 * n + 1 for name, (_, n, _) in self.stats_slots.items()
+                   if name.endswith("/mean"))
 
 
 def _stem_bn(regions: Mapping[str, Region]) -> str | None:

@@ -23,7 +23,7 @@ def comm_report(tr) -> dict:
     config, plan, n = tr.config, tr.plan, tr.world.world_size
     names = {"deep": "bucket:deep (deep convs + metrics)",
              "first": "bucket:first (first conv + BN + FC)"}
-    labels = {sum(s for _, s, _ in plan.stats_slots.values()): "bn:running statistics",
+    labels = {plan.stat_sums_elements: "bn:running statistics",
               len(METRICS): "metrics:sums"}
     for b, size in plan.bucket_elements.items():
         labels[size] = names.get(b, f"bucket:{b}")

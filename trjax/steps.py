@@ -10,8 +10,9 @@ Per device, one train step is (the seed's graph order; :func:`make_train_step`):
 3. the gradient exchange (:mod:`trjax.exchange`): all-reduce (or
    reduce-scatter, or compress) the buckets in order, apply
    ``1/global_count`` once inside the optimizer update;
-4. ``running`` BN mode: one all-reduce of the running statistics
-   (STATS_COMM, :func:`sync_batch_stats`), chained after the last bucket;
+4. the BN running statistics from the batch's per-channel sums over real
+   rows (:func:`sync_batch_stats`); ``running`` mode: one all-reduce of every
+   layer's sums and counts (STATS_COMM), chained after the last bucket;
 5. the loss scale (fp16) and a skip of the whole update when the reduced
    gradient is non-finite (every replica sees the same reduced values, so
    they agree without another collective).
@@ -36,7 +37,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from trjax import collectives
-from trjax.batchnorm import fold_batchnorm_tree
+from trjax.batchnorm import fold_batchnorm_tree, update_running_tree
 from trjax.exchange import GradientExchange
 from trjax.metrics import StepMetrics, batch_metrics
 from trjax.plan import MemoryPlan
@@ -49,61 +50,81 @@ BATCH_SPEC = {"image": P(DATA_AXIS), "label": P(DATA_AXIS), "mask": P(DATA_AXIS)
 
 def forward_backward(model: nn.Module, params, batch_stats, batch, loss_scale=None,
                      grad_accumulation_steps: int = 1):
-    """Per device: gradients of the summed loss, metric sums, new BN statistics.
+    """Per device: gradients of the summed loss, metric sums, BN batch sums.
 
     Args:
       params: the parameters (cast to varying: gradients are this device's own).
       batch_stats: this device's BN statistics (``[C]`` leaves).
       batch: ``{"image": [B, H, W, C], "label": [B] int32, "mask": [B] float32}``.
       loss_scale: multiplies the loss before backward (fp16), or ``None``.
-      grad_accumulation_steps: k micro-batches of ``B / k`` rows; gradients
-        and metric sums are summed locally (``lax.scan``). Each micro-batch's
-        BN running-statistics update starts from the step's statistics and the
-        k results are averaged: what k times as many replicas would do.
+      grad_accumulation_steps: k micro-batches of ``B / k`` rows; gradients,
+        metric sums and BN batch sums are summed locally (``lax.scan``). The
+        BN sums being sums, the step's running-statistics update is that of
+        all k micro-batches' real rows together, whatever their real counts
+        (an all-padding micro-batch adds nothing).
 
     Returns:
-      ``(grads, sums [4] float32, new_batch_stats)``; gradients of
-      ``loss_scale * sum of losses`` (not yet divided by any count).
+      ``(grads, sums [4] float32, bn_sums)``; gradients of
+      ``loss_scale * sum of losses`` (not yet divided by any count); ``bn_sums``
+      the model's ``bn_sums`` collection (per BN ``{"sums": [2C + 1]}``, see
+      :class:`trjax.batchnorm.BatchNorm`).
     """
     def loss_fn(p, micro):
         logits, new_vars = model.apply({"params": p, "batch_stats": batch_stats}, micro["image"],
-                                       train=True, mask=micro["mask"], mutable=["batch_stats"])
+                                       train=True, mask=micro["mask"],
+                                       mutable=["batch_stats", "bn_sums"])
         sums = batch_metrics(logits, micro["label"], micro["mask"])
         loss = sums[0] if loss_scale is None else sums[0] * loss_scale
-        return loss, (sums, new_vars["batch_stats"])
+        return loss, (sums, new_vars["bn_sums"])
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     k = grad_accumulation_steps
     if k == 1:
-        (_, (sums, new_bs)), grads = grad_fn(params, batch)
-        return grads, sums, new_bs
+        (_, (sums, bn_sums)), grads = grad_fn(params, batch)
+        return grads, sums, bn_sums
     micro = jax.tree_util.tree_map(lambda x: x.reshape((k, -1) + x.shape[1:]), batch)
 
     def body(carry, mb):
         (_, (m, st)), g = grad_fn(params, mb)
         return jax.tree_util.tree_map(jnp.add, carry, (g, m, st)), None
 
-    (_, (sums, bs_sum)), grads = grad_fn(params, jax.tree_util.tree_map(lambda x: x[0], micro))
-    (grads, sums, bs_sum), _ = lax.scan(body, (grads, sums, bs_sum),
-                                        jax.tree_util.tree_map(lambda x: x[1:], micro))
-    return grads, sums, jax.tree_util.tree_map(lambda x: x / k, bs_sum)
+    (_, (sums, bn_sums)), grads = grad_fn(params, jax.tree_util.tree_map(lambda x: x[0], micro))
+    (grads, sums, bn_sums), _ = lax.scan(body, (grads, sums, bn_sums),
+                                         jax.tree_util.tree_map(lambda x: x[1:], micro))
+    return grads, sums, bn_sums
 
 
-def sync_batch_stats(plan: MemoryPlan, batch_stats, bn_mode: str, last, finite):
-    """The step's BN statistics by mode: ``running`` all-reduces their mean
-    (one buffer, chained after ``last``, and folded into ``finite``);
-    ``local`` keeps one row per replica; ``sync`` already agrees.
+def sync_batch_stats(batch_stats, bn_sums, bn_mode: str, momentum: float, last, finite):
+    """The step's new BN running statistics by mode.
+
+    ``running``: every layer's ``(sum x, sum x^2, n)`` packed into ONE buffer,
+    one all-reduce (chained after ``last``; the sums are count-weighted by
+    construction, see :func:`trjax.collectives.allreduce_batch_stats`), the
+    result folded into ``finite``; ``sync``: the sums are already global;
+    ``local``: this replica's own sums, one row per replica. The update is
+    :func:`trjax.batchnorm.update_running_tree` in every mode.
+
+    Args:
+      batch_stats: this device's running statistics (``[C]`` leaves).
+      bn_sums: from :func:`forward_backward`.
 
     Returns:
       ``(batch_stats laid out as the state holds them, finite)``.
     """
     if bn_mode == "running":
-        stats = collectives.allreduce_batch_stats(plan.pack_stats(batch_stats), DATA_AXIS,
-                                                  done=last)
-        return plan.unpack_stats(stats), finite & jnp.isfinite(jnp.sum(stats))
+        leaves, treedef = jax.tree_util.tree_flatten(bn_sums)
+        sizes = [x.size for x in leaves]
+        packed = collectives.allreduce_batch_stats(
+            jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves]), DATA_AXIS,
+            done=last)
+        finite = finite & jnp.isfinite(jnp.sum(packed))
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        bn_sums = jax.tree_util.tree_unflatten(
+            treedef, [packed[o:o + n].reshape(x.shape) for o, n, x in zip(offsets, sizes, leaves)])
+    new = update_running_tree(batch_stats, bn_sums, momentum)
     if bn_mode == "local":
-        return jax.tree_util.tree_map(lambda x: x[None], batch_stats), finite
-    return batch_stats, finite
+        return jax.tree_util.tree_map(lambda x: x[None], new), finite
+    return new, finite
 
 
 def _local_stats(batch_stats, bn_mode: str):
@@ -118,7 +139,8 @@ def make_train_step(model: nn.Module, exchange: GradientExchange, plan: MemoryPl
     """Returns ``train_step(state, batch) -> (state, StepMetrics)`` over ``world``.
 
     Args:
-      model: the network (BatchNorm ``axis_name`` = the data axis).
+      model: the network (BatchNorm ``axis_name`` = the data axis); its
+        ``bn_momentum`` is the running statistics' momentum.
       exchange: the strategy (:mod:`trjax.exchange`): collectives, optimizer,
         state layout.
       plan: the MemoryPlan the gradients are packed with.
@@ -138,15 +160,18 @@ def make_train_step(model: nn.Module, exchange: GradientExchange, plan: MemoryPl
     global sums of this step's batch (``finite`` 0.0 when the update was
     skipped on every replica).
     """
+    momentum = model.bn_momentum
+
     def local_step(state: TrainState, batch):
         scale = state.loss_scale if dynamic_loss_scale else None
-        grads, sums, new_bs = forward_backward(
-            model, lax.pcast(state.params, DATA_AXIS, to="varying"),
-            _local_stats(state.batch_stats, bn_mode), batch, scale, grad_accumulation_steps)
+        old_bs = _local_stats(state.batch_stats, bn_mode)
+        grads, sums, bn_sums = forward_backward(
+            model, lax.pcast(state.params, DATA_AXIS, to="varying"), old_bs, batch, scale,
+            grad_accumulation_steps)
         buffers = plan.pack(grads, lax.stop_gradient(sums))
         up = exchange.update(buffers, state.params, state.opt_state, state.comm_state,
                              state.step, scale)
-        new_bs, finite = sync_batch_stats(plan, new_bs, bn_mode, up.last, up.finite)
+        new_bs, finite = sync_batch_stats(old_bs, bn_sums, bn_mode, momentum, up.last, up.finite)
         loss_scale, good_steps = state.loss_scale, state.good_steps
         if dynamic_loss_scale:
             loss_scale, good_steps = update_loss_scale(loss_scale, good_steps, finite,

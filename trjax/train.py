@@ -363,7 +363,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
                 for b, batch in enumerate(batches, start=first + 1):
                     step_index += 1
                     state, m = train_step(state, input_pipeline.to_device(
-                        batch, world.sharded(), data.num_classes, tr.dtype))
+                        batch, world.sharded(), data.num_classes, tr.dtype, step=step_index))
                     reader.push(step_index, m)
                     watchdog.beat(step_index - config.metrics_lag)
                     bar.update(1)

@@ -147,25 +147,33 @@ def parse_device_spec(spec: str | int, num_available: int) -> list[int]:
     return ids
 
 
-def check_batch_split(global_batch_size: int, world_size: int) -> int:
+def check_batch_split(global_batch_size: int, world_size: int,
+                      field: str = "global_batch_size") -> int:
     """Returns the local batch size, ``global_batch_size // world_size``.
 
+    Args:
+      global_batch_size: rows of one global batch (train or eval).
+      world_size: the number of devices.
+      field: the name the user set the value under (e.g.
+        ``"config.eval_batch_size"``), used in every message.
+
     Raises:
-      ValueError: if the global batch is not a positive int, is smaller than
-        the world size, or is not divisible by it. The message names both
-        values and the nearest valid global batch sizes.
+      ValueError: if the batch size is not a positive int, is smaller than
+        the world size, or is not divisible by it. The message names the
+        field, both values and the nearest valid batch sizes.
     """
     if isinstance(global_batch_size, bool) or not isinstance(global_batch_size, (int, np.integer)):
-        raise ValueError(f"global_batch_size {global_batch_size!r} must be an int")
+        raise ValueError(f"{field} {global_batch_size!r} must be an int")
     g, n = int(global_batch_size), int(world_size)
     if g < n:
-        raise ValueError(f"global_batch_size {g} is smaller than world_size {n}: every device "
-                         f"needs at least one example; use global_batch_size >= {n} "
+        raise ValueError(f"{field} {g} is smaller than world_size {n}: every device "
+                         f"needs at least one example; use {field} >= {n} "
                          f"(e.g. {n}) or fewer devices")
     if g % n:
         lo, hi = (g // n) * n, (g // n + 1) * n
-        raise ValueError(f"global_batch_size {g} is not divisible by world_size {n}; "
-                         f"use {lo} or {hi} (local batch {lo // n} or {hi // n})")
+        lo_text = f"{lo} or " if lo else ""
+        raise ValueError(f"{field} {g} is not divisible by world_size {n}; "
+                         f"use {lo_text}{hi} (local batch {lo_text and f'{lo // n} or '}{hi // n})")
     return g // n
 
 
