@@ -15,7 +15,11 @@ jax.config.update("jax_num_cpu_devices", 8)
 # session (a fresh directory each run) loads it instead of compiling it again.
 import tempfile  # noqa: E402
 
-jax.config.update("jax_compilation_cache_dir", tempfile.mkdtemp(prefix="trjax-test-xla-cache-"))
+_CACHE = tempfile.mkdtemp(prefix="trjax-test-xla-cache-")
+jax.config.update("jax_compilation_cache_dir", _CACHE)
+# scripts the tests start read it from the environment: they share the session's cache
+# instead of writing to the user's (trjax's default, ~/.cache/trjax/xla)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # nanodo's rail: an implicit rank promotion (adding [n] to [m, n] by accident) is an error.

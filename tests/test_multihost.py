@@ -1,5 +1,6 @@
 """Several processes on jax.distributed (gloo on CPU), launched on 127.0.0.1."""
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -66,4 +67,6 @@ def test_killed_peer_makes_the_survivor_exit_nonzero(tmp_path):
     assert procs[0].returncode != 0
     assert elapsed < 60
     assert "a peer process has probably died" in rest
-    assert "Task 1 heartbeat timeout" in rest
+    # jax names the lost process: from its shutdown barrier, or (when an asynchronous
+    # checkpoint commit still waits on the dead peer at exit) from its error poller
+    assert re.search(r"Task 1 heartbeat timeout|stopped sending heartbeats\):\s*1\b", rest)

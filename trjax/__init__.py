@@ -18,7 +18,8 @@ Modules, in the order data flows (each imports only modules above it):
   sharded optimizer state); ``state`` -- the TrainState.
 * ``steps`` (the per-device train/eval steps) -> ``aot`` (ahead-of-time
   compiled steps); ``config`` (config files and validation) -> ``train`` (the
-  loop), ``checkpoint``; ``comm`` / ``report`` read the compiled HLO.
+  loop), ``checkpoint`` (asynchronous orbax saves), ``compilation``
+  (the persistent compilation cache, compiles counted by phase); ``comm`` / ``report`` read the compiled HLO.
 """
 
 __version__ = "0.1.0"

@@ -324,7 +324,9 @@ def normalize(images, mean, std, dtype=jnp.float32):
     """
     x = jnp.asarray(images).astype(jnp.float32)
     if mean is not None:
-        x = (x - jnp.asarray(mean, jnp.float32)) / jnp.asarray(std, jnp.float32)
+        per_channel = (1,) * (x.ndim - 1) + (-1,)  # explicit broadcast (no rank promotion)
+        x = ((x - jnp.asarray(mean, jnp.float32).reshape(per_channel))
+             / jnp.asarray(std, jnp.float32).reshape(per_channel))
     return x.astype(dtype)
 
 
