@@ -94,7 +94,8 @@ class MetricsReader:
 
     A skipped (non-finite) step is logged with its number. It raises
     ``FloatingPointError`` when ``halt`` (``config.halt_on_nonfinite``), in
-    every precision, and -- whatever ``halt`` -- once ``max_overflows``
+    every precision (fp16: a step non-finite at the minimum loss scale; above
+    it an overflow only halves the scale, loss scaling's normal work), and -- whatever ``halt`` -- once ``max_overflows``
     consecutive steps were non-finite while the loss scale sat at its minimum
     (:data:`MIN_LOSS_SCALE`; the host mirrors the fp16 scale update of
     :func:`trjax.precision.update_loss_scale` exactly, powers of two).
@@ -166,7 +167,7 @@ class MetricsReader:
                 msg = f"step {step}: non-finite gradient, update skipped on every replica"
                 if self.fp16:
                     msg += f" (fp16: loss scale now {self.scale:g})"
-                if self.halt:
+                if self.halt and at_min:  # fp16 above the minimum: the scale halves (normal)
                     raise FloatingPointError(msg + " (config.halt_on_nonfinite=True)")
                 self.log(msg)
                 self.overflow_run = self.overflow_run + [step] if at_min else []
@@ -190,7 +191,7 @@ class MetricsReader:
                "loss": w.rates()["loss"], "top1": w.rates()["top1"],
                "images_per_s": w.count / max(now - self.window_t0, 1e-9),
                "lr": float(self.lr_of_step(step)), "loss_scale": self.scale,
-               "skipped_steps": self.skipped_total, "steps_in_window": int(self.log_every)}
+               "skipped_steps": self.skipped_total, "examples": w.count}
         self.window, self.window_t0 = StepMetrics.zeros(), now
         if self.on_log_row is not None:
             self.on_log_row(row)

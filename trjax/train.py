@@ -333,6 +333,8 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     epoch_s_before = float(meta.get("epoch_s", 0.0))  # the epoch's time before the restart
 
     def save(epoch: int, batch: int, epoch_s: float = 0.0) -> None:
+        if int(host_value(state.step)) == restored_step:
+            return  # the evaluation of a restored epoch end: its checkpoint is the one restored
         t = time.perf_counter()
         with compiles.phase("checkpoint"):
             checkpoint.save(ckpt, state, {**expect, "epoch": epoch, "batch": batch,
