@@ -2,8 +2,12 @@
 
 ``train_and_evaluate(config, workdir)`` is the whole job (the Flax ImageNet
 example's shape). It is the only place with side effects: it prints one log
-line per epoch and writes ``workdir/metrics.jsonl`` (one JSON line per epoch)
-and ``workdir/summary.json``.
+line per epoch (and a step log line every ``log_every_steps``) and writes
+``workdir/config.json``, ``metrics.jsonl`` (one JSON line per epoch, through
+:class:`trjax.metrics_log.MetricsWriter`), ``steps.jsonl``, ``summary.json``,
+TensorBoard events and checkpoints. The host side of the loop (metric reads,
+step log, config file, profiler) is :mod:`trjax.loop_io`; stops on a signal
+and the exit codes are :mod:`trjax.stops`.
 
 The host never runs ahead of the devices by more than ``config.metrics_lag``
 steps: after dispatching step t it reads step t-lag's metrics (already
@@ -219,7 +223,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       ValueError: an invalid config, device spec or batch split (before any
         compilation), or an incompatible checkpoint.
       FloatingPointError: a skipped non-finite step when
-        ``config.halt_on_nonfinite``.
+        ``config.halt_on_nonfinite``, or ``config.max_consecutive_overflows``
+        non-finite steps in a row at the minimum loss scale (no checkpoint is
+        written at that stop).
+      trjax.stops.Preempted: SIGTERM/SIGUSR1 arrived; the checkpoint at the
+        step every process agreed on is saved and the logs are flushed.
       OSError (or orbax's error): a checkpoint write failed; raised at the
         next save or at the end of the loop (the previous checkpoints stay).
       trjax.distributed.WorkdirBusy: another live run writes into ``workdir``.
