@@ -169,7 +169,8 @@ def test_steps_overflowing_at_the_minimum_scale_stop_the_run(precision, tmp_path
     last = int(str(e.value).split("..")[1].split(":")[0])
     assert last < 24  # not 24/24 skipped and exit 0
     if precision == "fp32":
-        assert last == 4  # step 1 applied (weights ~1e29), steps 2, 3, 4 overflow
+        # step 1 runs at lr 0 (warm-up), step 2 at 1e30/12 (weights ~1e28), 3, 4, 5 overflow
+        assert last == 5
     ckpts = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints"))
     assert ckpts == [last - 2, last - 1]  # saved before the stop, complete; no later one
     mngr = checkpoint.manager(str(tmp_path / "checkpoints"))
@@ -189,3 +190,38 @@ def test_resume_with_another_learning_rate_names_the_difference(tmp_path):
         train_and_evaluate(small_config(learning_rate=0.1, log_every_steps=0), str(tmp_path))
     saved = json.load(open(tmp_path / "config.json"))
     assert saved["learning_rate"] == 0.2 and saved["model"] == "resnet8"
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_env())
+    env.pop("XLA_FLAGS", None)  # each process simulates its own 4 devices
+    procs = [subprocess.Popen(
+        _script(str(tmp_path), "--config.preemption_check_every_steps=4",
+                f"--config.distributed.coordinator=127.0.0.1:{port}",
+                "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+                "--config.cpu_devices=4"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+    try:
+        out0 = []
+        for line in procs[0].stdout:  # process 0 logs; only process 1 gets the signal
+            out0.append(line)
+            if line.startswith("step      6"):
+                procs[1].send_signal(signal.SIGTERM)
+        out1 = procs[1].communicate(timeout=120)[0]
+        procs[0].wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text0 = "".join(out0)
+    assert [p.returncode for p in procs] == [stops.EXIT_PREEMPTED] * 2, text0[-2000:] + out1[-2000:]
+    # the flag is all-gathered every 4 steps: both stop at the first such step after the signal
+    stopped = int(text0.split("stopped after step ")[1].split()[0])
+    assert stopped % 4 == 0 or stopped == 12
+    assert f"stopped by SIGTERM after step {stopped}" in out1
+    assert "SIGTERM (on another process)" in text0
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [str(stopped)]
