@@ -49,10 +49,11 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
-def save_config(config, workdir: str, resuming: bool) -> list[str]:
+def save_config(config, workdir: str, resuming: bool, write: bool = True) -> list[str]:
     """Writes ``workdir/config.json`` (the resolved config, atomically).
 
-    With ``resuming`` and a saved ``config.json``, compares first.
+    With ``resuming`` and a saved ``config.json``, compares first (every
+    process compares, so all stop on a difference; only ``write`` ones write).
 
     Returns:
       ``"key: saved -> now"`` for each allowed difference (for the log).
@@ -78,11 +79,25 @@ def save_config(config, workdir: str, resuming: bool) -> list[str]:
                 "; resume with the same values, or use another workdir (keys that may change on "
                 f"resume: {', '.join(RESUME_MAY_CHANGE)})")
         changed = [f"{k}: {x!r} -> {y!r}" for k, (x, y) in diff.items()]
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(now, f, indent=2, sort_keys=True)
-    os.replace(tmp, path)
+    if write:
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(now, f, indent=2, sort_keys=True)
+        os.replace(tmp, path)
     return changed
+
+
+def open_tensorboard(config, workdir: str, say):
+    """A tensorboardX writer on WORKDIR/tensorboard when ``config.tensorboard``
+    and tensorboardX is importable (process 0 only); else None."""
+    if not config.tensorboard or jax.process_index() != 0:
+        return None
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        say("tensorboard: off (tensorboardX is not installed: pip install 'trjax[tensorboard]')")
+        return None
+    return SummaryWriter(os.path.join(workdir, "tensorboard"))
 
 
 class MetricsReader:
@@ -245,7 +260,9 @@ class Profiler:
 
     def __init__(self, spec: str, workdir: str, log=print):
         self.window = parse_profile_steps(spec)
-        self.dir = os.path.join(workdir, "profile")
+        self.dir = os.path.join(workdir, "profile")  # one folder per process if several
+        if jax.process_count() > 1:
+            self.dir = os.path.join(self.dir, f"process_{jax.process_index()}")
         self.log, self.active = log, False
 
     def before(self, step: int) -> None:

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -48,6 +49,8 @@ class Preempted(Exception):
 class StopSignals:
     """Turns SIGTERM/SIGUSR1 into a flag while installed (a context manager).
 
+    A second signal while the first is being handled ends the process at
+    once (the signal's default action), as schedulers' "kill now" expects.
     Handlers can only be installed from the main thread; elsewhere (e.g. a
     training call on a worker thread) the signals keep their handlers and
     :meth:`should_stop` only sees :meth:`request`.
@@ -70,6 +73,10 @@ class StopSignals:
             self.received = name
 
     def _handler(self, signum, frame):
+        if self.received is not None:  # a second signal: the default action, at once
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         self.request(signal.Signals(signum).name)
 
     def __enter__(self):

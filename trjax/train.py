@@ -239,19 +239,6 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         return _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start)
 
 
-def _open_tensorboard(config, workdir: str, say):
-    """A tensorboardX writer on WORKDIR/tensorboard when ``config.tensorboard``
-    and tensorboardX is importable (process 0 only); else None."""
-    if not config.tensorboard or jax.process_index() != 0:
-        return None
-    try:
-        from tensorboardX import SummaryWriter
-    except ImportError:
-        say("tensorboard: off (tensorboardX is not installed: pip install 'trjax[tensorboard]')")
-        return None
-    return SummaryWriter(os.path.join(workdir, "tensorboard"))
-
-
 def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     ckpt_dir = os.path.join(workdir, "checkpoints")
     # the exchange names what its state's layout depends on (e.g. the kernel order)
@@ -263,9 +250,9 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
     os.makedirs(workdir, exist_ok=True)
-    if lead:  # WORKDIR/config.json; a resume may change only loop_io.RESUME_MAY_CHANGE
-        for change in loop_io.save_config(config, workdir, resuming):
-            say(f"config changed on resume: {change}")
+    # WORKDIR/config.json; a resume may change only loop_io.RESUME_MAY_CHANGE
+    for change in loop_io.save_config(config, workdir, resuming, write=lead):
+        say(f"config changed on resume: {change}")
     loop_io.parse_profile_steps(config.profile_steps)  # a bad value: error before compiling
     tr = setup(config, prepared=prepared)
     for c in tr.compiled:  # setup's builds of each step's program, filed under its name
@@ -312,7 +299,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
 
     checkpoint_s = [0.0]  # the training thread's time in saves (host copy, waits)
     lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
-    tb = _open_tensorboard(config, workdir, say)
+    tb = loop_io.open_tensorboard(config, workdir, say)
     step_log = None
     if lead and config.log_every_steps:  # rows past the restored step are written again
         step_log = metrics_log.MetricsWriter(os.path.join(workdir, "steps.jsonl"),
