@@ -64,10 +64,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_epochs = 15
     # run
     c.seed = 0
-    c.halt_on_nonfinite = False
+    c.halt_on_nonfinite = False    # stop (FloatingPointError) at the first skipped non-finite step
+    c.max_consecutive_overflows = 10  # stop after this many non-finite steps in a row at the
+    #                                   minimum loss scale (fp16: 1.0; fp32/bf16: always); 0: never
     c.metrics_lag = 1              # host reads step t-1's metrics while step t runs
     c.progress = True              # a progress bar per epoch (only on a terminal)
-    c.tensorboard = False          # also write TensorBoard event files to WORKDIR/tensorboard
+    c.tensorboard = True           # TensorBoard event files in WORKDIR/tensorboard (when
+    #                                tensorboardX is importable; else a note and none)
+    c.log_every_steps = 50         # step log (stdout, WORKDIR/steps.jsonl, TensorBoard): loss,
+    #                                top-1, img/s, lr, loss scale, skipped steps; 0: off
+    c.profile_steps = ""           # "A:B": a jax.profiler trace of steps A..B in WORKDIR/profile
+    c.preemption_check_every_steps = 10  # several processes: agree on a SIGTERM/SIGUSR1 stop
+    #                                      every N steps (and at epoch ends)
     # checkpoints (orbax, under WORKDIR/checkpoints): after every epoch, and every N steps
     c.checkpoint_every_steps = 0   # 0: at epoch ends only
     c.keep_checkpoints = 3

@@ -8,6 +8,11 @@ simulated so the data-parallel path always runs. Under ``srun``/``mpirun`` (or
 with ``JAX_COORDINATOR_ADDRESS``) the processes start as one run
 (``trjax.distributed.detect_launch``); a workdir another live run writes into
 is refused.
+
+Exit codes (``trjax.stops``): 0 done; 1 bad input, an incompatible checkpoint or
+config, a busy workdir; 3 a peer process died or hangs; 4 non-finite steps
+(``halt_on_nonfinite``, ``max_consecutive_overflows``); 143 stopped by SIGTERM or
+SIGUSR1 after saving a checkpoint (start again to resume).
 """
 
 import os
@@ -42,19 +47,27 @@ def main(argv):
                                heartbeat_timeout_s=d.heartbeat_timeout_s)
     except ValueError as e:
         sys.exit(f"error: {e}")
+    from trjax import stops
     from trjax.train import train_and_evaluate
     try:
         _, summary = train_and_evaluate(config, flags.FLAGS.workdir)
     except (ValueError, FileNotFoundError, distributed.WorkdirBusy) as e:
         sys.exit(f"error: {e}")  # bad input or a busy workdir: the message says what to do
+    except stops.Preempted as e:  # checkpoint saved, logs flushed: restart to resume
+        print(f"trjax: {e}", file=sys.stderr, flush=True)
+        sys.exit(stops.EXIT_PREEMPTED)
+    except FloatingPointError as e:  # halt_on_nonfinite / max_consecutive_overflows
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(stops.EXIT_NONFINITE)
     except jax.errors.JaxRuntimeError as e:
-        if jax.process_count() > 1:
-            print(f"trjax: a collective failed on process {jax.process_index()}: "
-                  f"{str(e).splitlines()[0][:300]}\ntrjax: a peer process has probably died; "
-                  "exiting non-zero. The distributed runtime names the lost process "
-                  "('Task N heartbeat timeout') once its heartbeat times out "
-                  f"({d.heartbeat_timeout_s} s).", file=sys.stderr, flush=True)
-        raise
+        if jax.process_count() == 1:
+            raise
+        print(f"trjax: a collective failed on process {jax.process_index()}: "
+              f"{str(e).splitlines()[0][:300]}\ntrjax: a peer process has probably died; "
+              f"exiting with code {stops.EXIT_PEER_LOST}. The distributed runtime names the lost "
+              "process ('Task N heartbeat timeout') once its heartbeat times out "
+              f"({d.heartbeat_timeout_s} s).", file=sys.stderr, flush=True)
+        distributed.exit_peer_lost(stops.EXIT_PEER_LOST)
     if jax.process_index() == 0:
         print(f"val_top1={summary['val_top1']:.4f} val_top5={summary['val_top5']:.4f} "
               f"world_size={summary['world_size']} wall_s={summary['wall_s']:.1f} "

@@ -9,7 +9,7 @@ import time
 import numpy as np
 
 from helpers import max_rel, small_config, to_host
-from trjax import checkpoint
+from trjax import checkpoint, stops
 from trjax.train import train_and_evaluate
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -64,9 +64,9 @@ def test_killed_peer_makes_the_survivor_exit_nonzero(tmp_path):
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert procs[0].returncode != 0
+    assert procs[0].returncode == stops.EXIT_PEER_LOST, rest[-3000:]  # not -6 (jax's abort)
     assert elapsed < 60
-    assert "a peer process has probably died" in rest
-    # jax names the lost process: from its shutdown barrier, or (when an asynchronous
-    # checkpoint commit still waits on the dead peer at exit) from its error poller
-    assert re.search(r"Task 1 heartbeat timeout|stopped sending heartbeats\):\s*1\b", rest)
+    # trjax's message, then its own exit code: jax.distributed's shutdown (which would wait
+    # on the dead peer and abort the process, rc -6) is not run
+    assert re.search(r"a collective failed on process 0: .*\ntrjax: a peer process has probably "
+                     r"died; exiting with code 3\.", rest), rest[-3000:]

@@ -32,9 +32,9 @@ CHOICES = {
 }
 """Config keys with a fixed set of values."""
 POSITIVE_INTS = ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_lag",
-                 "grad_accumulation_steps", "powersgd_rank")
+                 "grad_accumulation_steps", "powersgd_rank", "preemption_check_every_steps")
 NON_NEGATIVE_INTS = ("compression_start_step", "allreduce_local_size", "checkpoint_every_steps",
-                     "halt_after_steps")
+                     "halt_after_steps", "log_every_steps", "max_consecutive_overflows")
 
 
 def _is_int(v) -> bool:
@@ -74,6 +74,8 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
     for key in NON_NEGATIVE_INTS:
         if not _is_int(c[key]) or c[key] < 0:
             raise ValueError(f"config.{key}={c[key]!r} must be an int >= 0")
+    from trjax.loop_io import parse_profile_steps
+    parse_profile_steps(c.profile_steps)
     if not c.learning_rate > 0:
         raise ValueError(f"config.learning_rate={c.learning_rate!r} must be > 0")
     if not 0 < c.topk_ratio <= 1:

@@ -414,3 +414,19 @@ class StepWatchdog:
     def __exit__(self, *exc):
         self._stop.set()
         return False
+
+
+def exit_peer_lost(code: int = 3) -> None:
+    """Ends this process with ``code`` at once, after flushing stdout/stderr.
+
+    For a survivor whose collective failed because a peer died: a normal
+    exit runs ``jax.distributed``'s shutdown, whose barrier waits on the dead
+    peer and then aborts the process (SIGABRT, rc -6), hiding the run's own
+    exit code. The watchdog (:class:`StepWatchdog`) exits the same way.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)

@@ -2,8 +2,12 @@
 
 ``train_and_evaluate(config, workdir)`` is the whole job (the Flax ImageNet
 example's shape). It is the only place with side effects: it prints one log
-line per epoch and writes ``workdir/metrics.jsonl`` (one JSON line per epoch)
-and ``workdir/summary.json``.
+line per epoch (and a step log line every ``log_every_steps``) and writes
+``workdir/config.json``, ``metrics.jsonl`` (one JSON line per epoch, through
+:class:`trjax.metrics_log.MetricsWriter`), ``steps.jsonl``, ``summary.json``,
+TensorBoard events and checkpoints. The host side of the loop (metric reads,
+step log, config file, profiler) is :mod:`trjax.loop_io`; stops on a signal
+and the exit codes are :mod:`trjax.stops`.
 
 The host never runs ahead of the devices by more than ``config.metrics_lag``
 steps: after dispatching step t it reads step t-lag's metrics (already
@@ -13,7 +17,6 @@ collectives (dispatching ~50 unawaited steps deadlocks XLA's CPU rendezvous).
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
@@ -26,9 +29,11 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import aot, checkpoint, compilation, distributed, host, input_pipeline, models, optim, steps
+from trjax import (aot, checkpoint, compilation, distributed, host, input_pipeline, loop_io,
+                   metrics_log, models, optim, steps, stops)
 from trjax import config as config_lib
 from trjax import exchange as exchange_lib
+from trjax.loop_io import MetricsReader  # noqa: F401  (its home before loop_io)
 from trjax.metrics import METRICS, StepMetrics
 from trjax.plan import build_plan, resolve_kernel_order
 from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
@@ -168,47 +173,6 @@ def evaluate_pass(tr: Trainer, state, skipped: set | None = None) -> dict:
     return {**total.rates(), "count": int(total.count), "sums": sums.tolist()}
 
 
-class MetricsReader:
-    """Reads step metrics ``lag`` steps behind the dispatch (host side).
-
-    ``push(step, metrics)`` queues a step's device metrics; once more than
-    ``lag`` are queued the oldest is fetched (a few bytes, already computed),
-    added to the epoch sums, and a skipped (non-finite) step is logged with
-    its number, or raises when ``halt`` is set.
-    """
-
-    def __init__(self, lag: int, halt: bool, fp16: bool, log=print):
-        self.lag, self.halt, self.fp16, self.log = lag, halt, fp16, log
-        self.pending: collections.deque = collections.deque()
-        self.sums = StepMetrics.zeros()
-        self.skipped: list[int] = []
-        self.first_step_done_at = None  # time.time() when the first step's metrics came back
-
-    def push(self, step: int, metrics) -> None:
-        self.pending.append((step, metrics))
-        self.drain(self.lag)
-
-    def drain(self, limit: int = 0) -> None:
-        while len(self.pending) > limit:
-            step, m = self.pending.popleft()
-            m = m.to_host()
-            self.first_step_done_at = self.first_step_done_at or time.time()
-            self.sums = self.sums.plus(m)
-            if m.finite == 0.0:
-                self.skipped.append(step)
-                msg = f"step {step}: non-finite gradient, update skipped on every replica"
-                if self.fp16:
-                    msg += " (fp16: loss scale halved)"
-                elif self.halt:
-                    raise FloatingPointError(msg + " (config.halt_on_nonfinite=True)")
-                self.log(msg)
-
-    def take(self) -> np.ndarray:
-        self.drain(0)
-        sums, self.sums = self.sums, StepMetrics.zeros()
-        return sums
-
-
 def _progress(total: int, epoch: int, enabled: bool):
     """A tqdm bar on a terminal; a no-op object elsewhere (CI, logs, files)."""
     from tqdm.auto import tqdm
@@ -259,7 +223,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       ValueError: an invalid config, device spec or batch split (before any
         compilation), or an incompatible checkpoint.
       FloatingPointError: a skipped non-finite step when
-        ``config.halt_on_nonfinite``.
+        ``config.halt_on_nonfinite``, or ``config.max_consecutive_overflows``
+        non-finite steps in a row at the minimum loss scale (no checkpoint is
+        written at that stop).
+      trjax.stops.Preempted: SIGTERM/SIGUSR1 arrived; the checkpoint at the
+        step every process agreed on is saved and the logs are flushed.
       OSError (or orbax's error): a checkpoint write failed; raised at the
         next save or at the end of the loop (the previous checkpoints stay).
       trjax.distributed.WorkdirBusy: another live run writes into ``workdir``.
@@ -276,8 +244,16 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     # the exchange names what its state's layout depends on (e.g. the kernel order)
     expect = {**{k: config[k] for k in checkpoint.COMPATIBLE_FIELDS},
               **prepared.exchange.checkpoint_keys}
-    if config.resume and os.path.isdir(ckpt_dir):  # incompatible: an error before compiling
+    resuming = bool(config.resume and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir))
+    if resuming:  # incompatible: an error before compiling
         checkpoint.check_compatible(checkpoint.manager(ckpt_dir, config.keep_checkpoints), expect)
+    lead = jax.process_index() == 0
+    say = print if lead else (lambda *a, **k: None)
+    os.makedirs(workdir, exist_ok=True)
+    # WORKDIR/config.json; a resume may change only loop_io.RESUME_MAY_CHANGE
+    for change in loop_io.save_config(config, workdir, resuming, write=lead):
+        say(f"config changed on resume: {change}")
+    loop_io.parse_profile_steps(config.profile_steps)  # a bad value: error before compiling
     tr = setup(config, prepared=prepared)
     for c in tr.compiled:  # setup's builds of each step's program, filed under its name
         compiles.refile("startup", compilation.step_program(c), c.name)
@@ -287,9 +263,6 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     train_step = tr.train_step
     steps_per_epoch = tr.steps_per_epoch
     total_steps = steps_per_epoch * config.num_epochs
-    lead = jax.process_index() == 0
-    say = print if lead else (lambda *a, **k: None)
-    os.makedirs(workdir, exist_ok=True)
     say(f"world_size={world.world_size} devices={[d.id for d in world.devices]} "
         f"({world.devices[0].platform}, {jax.process_count()} process(es)) "
         f"global_batch={world.global_batch_size} local_batch={world.local_batch_size} "
@@ -309,7 +282,11 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     distributed.check_agree({"initial params checksum": distributed.tree_checksum(state.params)})
 
     # -- checkpoints and resume ---------------------------------------------
-    start_epoch, start_batch = 1, 0
+    # A checkpoint's meta holds the data position (epoch, batches done) and what
+    # the epoch's metrics row needs (the epoch's train sums so far, the step
+    # log's window, the skipped steps); batch == steps_per_epoch: the epoch's
+    # training is done and its evaluation pending.
+    start_epoch, start_batch, meta = 1, 0, {}
     if config.resume:
         with compiles.phase("restore"):
             restored = checkpoint.restore_latest(ckpt, state, expect, log=say)
@@ -318,98 +295,145 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
             start_epoch, start_batch = int(meta["epoch"]), int(meta["batch"])
             say(f"resumed from step {int(host_value(state.step))} "
                 f"(epoch {start_epoch}, batch {start_batch})")
+    restored_step = int(host_value(state.step))
 
     checkpoint_s = [0.0]  # the training thread's time in saves (host copy, waits)
+    lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
+    tb = loop_io.open_tensorboard(config, workdir, say)
+    step_log = None
+    if lead and config.log_every_steps:  # rows past the restored step are written again
+        step_log = metrics_log.MetricsWriter(os.path.join(workdir, "steps.jsonl"),
+                                             resume=restored_step > 0,
+                                             keep_until_step=restored_step)
 
-    def save(epoch: int, batch: int) -> None:
+    def on_log_row(row):
+        say(f"step {row['step']:6d}  loss {row['loss']:.4f} top1 {row['top1']:.4f}  "
+            f"lr {row['lr']:.4g}  loss_scale {row['loss_scale']:g}  "
+            f"skipped {row['skipped_steps']}  {row['images_per_s']:.0f} img/s")
+        if step_log is not None:
+            step_log.write(row)
+        if tb is not None:
+            for k in ("loss", "top1", "images_per_s", "lr", "loss_scale", "skipped_steps"):
+                tb.add_scalar(f"step/{k}", row[k], row["step"])
+
+    reader = loop_io.MetricsReader(
+        config.metrics_lag, config.halt_on_nonfinite, config.precision == "fp16", log=say,
+        max_overflows=config.max_consecutive_overflows,
+        loss_scale=float(host_value(state.loss_scale)), good_steps=int(host_value(state.good_steps)),
+        growth_interval=config.loss_scale_growth_interval,
+        skipped_steps=int(host_value(state.skipped_steps)), log_every=config.log_every_steps,
+        on_log_row=on_log_row, lr_of_step=lambda t: lr_table[t - 1],
+        steps_per_epoch=steps_per_epoch)
+    reader.restore(meta)
+    epoch_s_before = float(meta.get("epoch_s", 0.0))  # the epoch's time before the restart
+
+    def save(epoch: int, batch: int, epoch_s: float = 0.0) -> None:
+        if int(host_value(state.step)) == restored_step:
+            return  # the evaluation of a restored epoch end: its checkpoint is the one restored
         t = time.perf_counter()
         with compiles.phase("checkpoint"):
             checkpoint.save(ckpt, state, {**expect, "epoch": epoch, "batch": batch,
-                                          "world_size": world.world_size})
+                                          "world_size": world.world_size, "epoch_s": epoch_s,
+                                          **reader.position()})
         checkpoint_s[0] += time.perf_counter() - t
 
     rows = world.process_rows()
     skipped: set = set()  # undecodable files skipped (config.skip_bad_images)
-    lr_table = np.asarray(jax.jit(jax.vmap(schedule))(np.arange(total_steps + 1)))
-    history, train_time, train_images = [], 0.0, 0
-    reader = MetricsReader(config.metrics_lag, config.halt_on_nonfinite,
-                           config.precision == "fp16", log=say)
+    train_time, train_images = 0.0, 0
     show_bar = lead and config.progress and sys.stderr.isatty()
-    metrics_path = os.path.join(workdir, "metrics.jsonl")
-    halted = False
-    val = None
-    watchdog = distributed.StepWatchdog(config.step_timeout_s)
-    tb = None
-    if config.tensorboard and lead:
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:
-            raise ValueError("config.tensorboard=True needs tensorboardX: "
-                             "pip install 'trjax[tensorboard]'") from None
-        tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
-    with open(metrics_path, "a" if start_epoch > 1 or start_batch else "w") if lead \
-            else contextlib.nullcontext() as log, compiles.phase("train"), watchdog, \
+    halted, stop_signal, val = False, None, None
+    watchdog = distributed.StepWatchdog(config.step_timeout_s, exit_code=stops.EXIT_PEER_LOST)
+    profiler = loop_io.Profiler(config.profile_steps, workdir, log=say)
+    # an epoch's row is written BEFORE the checkpoint that covers it; on resume
+    # the rows past the restored position are dropped (they are written again):
+    # with the epoch's evaluation pending, its own row too.
+    pending_eval = start_batch >= steps_per_epoch
+    writer = metrics_log.MetricsWriter(
+        os.path.join(workdir, "metrics.jsonl"), resume=restored_step > 0,
+        keep_until_step=restored_step - pending_eval) if lead else contextlib.nullcontext()
+    with writer, compiles.phase("train"), watchdog, stops.StopSignals(
+            config.preemption_check_every_steps) as signals, \
             _finishing(ckpt, checkpoint_s):  # the last save is complete before the loop ends
-        for epoch in range(start_epoch, config.num_epochs + 1):
-            t0 = time.perf_counter()
-            first = start_batch if epoch == start_epoch else 0
-            step_index = (epoch - 1) * steps_per_epoch + first
-            batches = input_pipeline.prefetch(input_pipeline.iterate_batches(
-                data.train, world.global_batch_size, shuffle=True, seed=config.seed, epoch=epoch,
-                remainder=config.train_remainder, rows=rows, start=first,
-                augment=config.augment, image_shape=data.image_shape,
-                workers=config.data_workers, skipped=skipped), depth=config.prefetch)
-            with _progress(steps_per_epoch - first, epoch, show_bar) as bar:
-                for b, batch in enumerate(batches, start=first + 1):
-                    step_index += 1
-                    state, m = train_step(state, input_pipeline.to_device(
-                        batch, world.sharded(), data.num_classes, tr.dtype, step=step_index))
-                    reader.push(step_index, m)
-                    watchdog.beat(step_index - config.metrics_lag)
-                    bar.update(1)
-                    if bar.n % 10 == 0 and reader.sums.count:
-                        bar.set_postfix(loss=f"{reader.sums.rates()['loss']:.4f}",
-                                        img_s=f"{reader.sums.count / (time.perf_counter() - t0):.0f}")
-                    if config.checkpoint_every_steps and step_index % config.checkpoint_every_steps == 0 \
-                            and b < steps_per_epoch:
-                        reader.drain(0)
-                        save(epoch, b)
-                    if config.halt_after_steps and step_index >= config.halt_after_steps:
-                        halted = True
-                        break
-            sums = reader.take()
-            epoch_s = time.perf_counter() - t0
-            train_time += epoch_s
-            train_images += int(sums.count)
-            if halted:
-                save(epoch, b) if b < steps_per_epoch else save(epoch + 1, 0)
-                say(f"halted after step {step_index} (config.halt_after_steps); checkpoint saved")
-                break
-            with compiles.phase("evaluate"):
-                val = evaluate_pass(tr, state, skipped)
-            save(epoch + 1, 0)
-            watchdog.beat(step_index)
-            row = {"epoch": epoch, "step": step_index,
-                   **{f"train_{k}": v for k, v in sums.rates().items()},
-                   **{f"val_{k}": val[k] for k in ("loss", "top1", "top5")},
-                   "images_per_s": sums.count / epoch_s, "epoch_s": epoch_s,
-                   "lr": float(lr_table[step_index])}
-            history.append(row)
-            if lead:
-                log.write(json.dumps(row) + "\n")
-                log.flush()
+        try:
+            for epoch in range(start_epoch, config.num_epochs + 1):
+                t0 = time.perf_counter()
+                first = start_batch if epoch == start_epoch else 0
+                before = epoch_s_before if epoch == start_epoch else 0.0
+                step_index = (epoch - 1) * steps_per_epoch + first
+                b = first
+                batches = input_pipeline.prefetch(input_pipeline.iterate_batches(
+                    data.train, world.global_batch_size, shuffle=True, seed=config.seed,
+                    epoch=epoch, remainder=config.train_remainder, rows=rows, start=first,
+                    augment=config.augment, image_shape=data.image_shape,
+                    workers=config.data_workers, skipped=skipped), depth=config.prefetch)
+                with _progress(steps_per_epoch - first, epoch, show_bar) as bar:
+                    for b, batch in enumerate(batches, start=first + 1):
+                        step_index += 1
+                        profiler.before(step_index)
+                        state, m = train_step(state, input_pipeline.to_device(
+                            batch, world.sharded(), data.num_classes, tr.dtype, step=step_index))
+                        reader.push(step_index, m)
+                        profiler.after(step_index, m)
+                        watchdog.beat(step_index - config.metrics_lag)
+                        bar.update(1)
+                        if bar.n % 10 == 0 and reader.sums.count:
+                            bar.set_postfix(loss=f"{reader.sums.rates()['loss']:.4f}")
+                        halted = bool(config.halt_after_steps and
+                                      step_index >= config.halt_after_steps)
+                        stop_signal = signals.should_stop(step_index)
+                        if halted or stop_signal:
+                            break
+                        if config.checkpoint_every_steps and \
+                                step_index % config.checkpoint_every_steps == 0 \
+                                and b < steps_per_epoch:
+                            reader.drain(0)
+                            save(epoch, b, before + time.perf_counter() - t0)
+                if halted or stop_signal:  # save where it stands (b == steps_per_epoch:
+                    reader.drain(0)        # the evaluation is pending)
+                    save(epoch, b, before + time.perf_counter() - t0)
+                    train_time += time.perf_counter() - t0
+                    say(f"stopped after step {step_index} ("
+                        f"{'config.halt_after_steps' if halted else stop_signal}); "
+                        "checkpoint saved")
+                    break
+                sums = reader.take()
+                epoch_s = before + time.perf_counter() - t0
+                train_time += time.perf_counter() - t0
+                train_images += int(sums.count)
+                with compiles.phase("evaluate"):
+                    val = evaluate_pass(tr, state, skipped)
+                watchdog.beat(step_index)
+                row = {"epoch": epoch, "step": step_index,
+                       **{f"train_{k}": v for k, v in sums.rates().items()},
+                       **{f"val_{k}": val[k] for k in ("loss", "top1", "top5")},
+                       "images_per_s": sums.count / epoch_s, "epoch_s": epoch_s,
+                       "lr": float(lr_table[step_index])}
+                if lead:
+                    writer.write(row)  # before the checkpoint that covers it
+                save(epoch + 1, 0)
+                if tb is not None:
+                    for k, v in row.items():
+                        if k not in ("epoch", "step"):
+                            tb.add_scalar(k, v, step_index)
+                    tb.flush()
+                say(f"epoch {epoch:3d}  train loss {row['train_loss']:.4f} top1 "
+                    f"{row['train_top1']:.4f}  | val loss {row['val_loss']:.4f} top1 "
+                    f"{row['val_top1']:.4f} top5 {row['val_top5']:.4f}  | "
+                    f"{row['images_per_s']:.0f} img/s")
+                stop_signal = signals.should_stop(step_index, boundary=True)
+                if stop_signal:  # e.g. received during the evaluation
+                    say(f"stopped after step {step_index} ({stop_signal}); checkpoint saved")
+                    break
+        finally:
+            profiler.close()
+            if step_log is not None:
+                step_log.close()
             if tb is not None:
-                for k, v in row.items():
-                    if k not in ("epoch", "step"):
-                        tb.add_scalar(k, v, step_index)
-                tb.flush()
-            say(f"epoch {epoch:3d}  train loss {row['train_loss']:.4f} top1 {row['train_top1']:.4f}"
-                f"  | val loss {row['val_loss']:.4f} top1 {row['val_top1']:.4f} "
-                f"top5 {row['val_top5']:.4f}  | {row['images_per_s']:.0f} img/s")
+                tb.close()
 
-    if tb is not None:
-        tb.close()
-    if val is None:  # resumed at the very end, or halted before any evaluation
+    if stop_signal:
+        raise stops.Preempted(int(host_value(state.step)), stop_signal.split()[0])
+    if val is None or halted:  # resumed at the very end, or halted before this evaluation
         with compiles.phase("evaluate"):
             val = evaluate_pass(tr, state, skipped)
     loop_phases = ("train", "evaluate", "checkpoint", compilation.BACKGROUND)
@@ -442,6 +466,8 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
         "first_step_done_at": reader.first_step_done_at,  # Unix time (benchmark --time_to_accuracy)
     }
     if lead:
-        with open(os.path.join(workdir, "summary.json"), "w") as f:
+        tmp = os.path.join(workdir, "summary.json.tmp")
+        with open(tmp, "w") as f:
             json.dump(summary, f, indent=2)
+        os.replace(tmp, os.path.join(workdir, "summary.json"))
     return state, summary

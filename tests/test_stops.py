@@ -1,0 +1,227 @@
+"""Stops and restarts: a stop at any step (halt, SIGTERM, SIGUSR1, during evaluation) then a
+resume gives the uninterrupted run's rows, summary and parameters; overflow runs stop."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import small_config, to_host
+from trjax import checkpoint, optim, stops
+from trjax.metrics_log import read_rows
+from trjax.train import train_and_evaluate
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+TIMINGS = ("images_per_s", "epoch_s")
+SUMMARY_SAME = ("val_top1", "val_top5", "val_loss", "val_examples", "steps", "skipped_steps",
+                "skipped_step_numbers", "loss_scale", "epochs")
+CFG = dict(num_epochs=2, log_every_steps=6, checkpoint_every_steps=0)  # 12 steps per epoch
+
+
+def _bits(tree):
+    return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
+
+
+def _rows(workdir, name="metrics.jsonl"):
+    return [{k: v for k, v in r.items() if k not in TIMINGS}
+            for r in read_rows(os.path.join(workdir, name))]
+
+
+def _summary(workdir):
+    with open(os.path.join(workdir, "summary.json")) as f:
+        return {k: v for k, v in json.load(f).items() if k in SUMMARY_SAME}
+
+
+@pytest.fixture(scope="module")
+def full(tmp_path_factory):
+    """The uninterrupted run every stopped-and-resumed one must equal."""
+    work = str(tmp_path_factory.mktemp("full"))
+    state, _ = train_and_evaluate(small_config(**CFG), work)
+    return work, state
+
+
+def test_stops_at_every_kind_of_step_resume_to_the_same_rows_and_summary(full, tmp_path):
+    ref, ref_state = full
+    work = str(tmp_path)
+    # mid-epoch (7), an epoch's last batch (12, evaluation pending), mid-epoch 2 (17),
+    # the last step (24), then a start after the last epoch
+    for halt in (7, 12, 17, 24):
+        _, s = train_and_evaluate(small_config(halt_after_steps=halt, **CFG), work)
+        assert s["halted"] and s["steps"] == halt
+    state, _ = train_and_evaluate(small_config(**CFG), work)
+    state, _ = train_and_evaluate(small_config(**CFG), work)  # after the last epoch: nothing new
+    ref_rows = _rows(ref)
+    assert [r["epoch"] for r in ref_rows] == [1, 2] and [r["step"] for r in ref_rows] == [12, 24]
+    assert _rows(work) == ref_rows
+    assert _summary(work) == _summary(ref)
+    assert _rows(work, "steps.jsonl") == _rows(ref, "steps.jsonl")
+    assert _bits(state.params) == _bits(ref_state.params)
+
+
+def test_step_log_loss_is_what_the_epoch_sums_imply(full):
+    ref, _ = full
+    steps = read_rows(os.path.join(ref, "steps.jsonl"))
+    epochs = read_rows(os.path.join(ref, "metrics.jsonl"))
+    assert [r["step"] for r in steps] == [6, 12, 18, 24] and [r["epoch"] for r in steps] == [1, 1, 2, 2]
+    # 1437 digits, batches of 128: 6 full batches, then 5 full and one with 29 real rows
+    assert [r["examples"] for r in steps] == [768.0, 669.0] * 2
+    for e, (a, b) in enumerate(((steps[0], steps[1]), (steps[2], steps[3]))):
+        assert (a["loss"] * 768 + b["loss"] * 669) / 1437 == pytest.approx(
+            epochs[e]["train_loss"], rel=1e-6)
+        assert (a["top1"] * 768 + b["top1"] * 669) / 1437 == pytest.approx(
+            epochs[e]["train_top1"], rel=1e-6)
+    schedule = optim.learning_rate_schedule(0.2, 12, 24)
+    assert [r["lr"] for r in steps] == pytest.approx([float(schedule(t - 1)) for t in (6, 12, 18, 24)])
+    assert all(r["loss_scale"] == 1.0 and r["skipped_steps"] == 0 for r in steps)
+
+
+def _script(workdir, *opts, kill_in_eval=None):
+    """scripts/train.py as a subprocess; ``kill_in_eval``: the process sends itself that
+    signal at the start of its first evaluation (a real signal, during evaluation)."""
+    pre = ""
+    if kill_in_eval:
+        pre = ("import os, signal, trjax.train as t; f = t.evaluate_pass\n"
+               "def g(*a, **k):\n"
+               f"    os.kill(os.getpid(), signal.{kill_in_eval}); t.evaluate_pass = f\n"
+               "    return f(*a, **k)\n"
+               "t.evaluate_pass = g\n")
+    code = (pre + "import runpy, sys; sys.argv = sys.argv[1:]\n"
+            "runpy.run_path(sys.argv[0], run_name='__main__')")
+    args = [os.path.join(ROOT, "scripts", "train.py"), "--config",
+            os.path.join(ROOT, "configs", "default.py"), "--workdir", workdir,
+            "--config.model=resnet8", "--config.num_epochs=2", "--config.progress=False",
+            "--config.log_every_steps=6", *opts]
+    return [sys.executable, "-c", code, *args]
+
+
+def _env():
+    return dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=ROOT)
+
+
+def test_sigterm_mid_epoch_saves_exits_143_and_resumes_exactly(full, tmp_path):
+    ref, ref_state = full
+    work = str(tmp_path)
+    p = subprocess.Popen(_script(work), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, env=_env())
+    out = []
+    for line in p.stdout:  # a real SIGTERM once step 6 is logged (mid-epoch 1)
+        out.append(line)
+        if line.startswith("step      6"):
+            p.send_signal(signal.SIGTERM)
+    p.wait(timeout=120)
+    text = "".join(out)
+    assert p.returncode == stops.EXIT_PREEMPTED, text[-3000:]
+    assert "(SIGTERM); checkpoint saved" in text and "stopped by SIGTERM" in text
+    stopped = int(text.split("stopped after step ")[1].split()[0])
+    assert 6 <= stopped < 24
+    assert sorted(os.listdir(os.path.join(work, "checkpoints"))) == [str(stopped)]
+    r = subprocess.run(_script(work), capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"resumed from step {stopped}" in r.stdout
+    assert _rows(work) == _rows(ref) and _summary(work) == _summary(ref)
+    assert _rows(work, "steps.jsonl") == _rows(ref, "steps.jsonl")
+    mngr = checkpoint.manager(os.path.join(work, "checkpoints"))
+    cfg = small_config(**CFG)
+    restored, _ = checkpoint.restore_latest(mngr, ref_state,
+                                            {k: cfg[k] for k in checkpoint.COMPATIBLE_FIELDS})
+    assert _bits(restored.params) == _bits(ref_state.params)
+
+
+def test_sigusr1_during_evaluation_finishes_it_then_stops(full, tmp_path):
+    ref, _ = full
+    work = str(tmp_path)
+    r = subprocess.run(_script(work, kill_in_eval="SIGUSR1"), capture_output=True, text=True,
+                       env=_env(), timeout=300)
+    assert r.returncode == stops.EXIT_PREEMPTED, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "stopped after step 12 (SIGUSR1)" in r.stdout
+    assert [row["epoch"] for row in _rows(work)] == [1]  # epoch 1's row, before its checkpoint
+    assert not os.path.exists(os.path.join(work, "summary.json"))
+    r = subprocess.run(_script(work), capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert _rows(work) == _rows(ref) and _summary(work) == _summary(ref)
+
+
+def test_cut_off_metrics_line_is_repaired_on_resume(full, tmp_path):
+    ref, _ = full
+    work = str(tmp_path)
+    train_and_evaluate(small_config(halt_after_steps=15, **CFG), work)
+    with open(os.path.join(work, "metrics.jsonl"), "a") as f:
+        f.write('{"epoch": 2, "step": 2')  # a crash cut this row off
+    train_and_evaluate(small_config(**CFG), work)
+    with open(os.path.join(work, "metrics.jsonl")) as f:
+        assert [json.loads(line)["epoch"] for line in f] == [1, 2]  # every line parses
+    assert _rows(work) == _rows(ref)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_steps_overflowing_at_the_minimum_scale_stop_the_run(precision, tmp_path):
+    # lr 1e30: the first applied update makes the weights overflow, every later step is
+    # non-finite; fp16 first halves its scale from 2^15 to 1 (15 steps)
+    cfg = small_config(precision=precision, learning_rate=1e30, max_consecutive_overflows=3,
+                       checkpoint_every_steps=1, keep_checkpoints=2, log_every_steps=0)
+    with pytest.raises(FloatingPointError, match="3 consecutive non-finite steps with the loss "
+                                                 "scale at its minimum 1") as e:
+        train_and_evaluate(cfg, str(tmp_path))
+    last = int(str(e.value).split("..")[1].split(":")[0])
+    assert last < 24  # not 24/24 skipped and exit 0
+    if precision == "fp32":
+        # step 1 runs at lr 0 (warm-up), step 2 at 1e30/12 (weights ~1e28), 3, 4, 5 overflow
+        assert last == 5
+    ckpts = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints"))
+    assert ckpts == [last - 2, last - 1]  # saved before the stop, complete; no later one
+    mngr = checkpoint.manager(str(tmp_path / "checkpoints"))
+    assert mngr.latest_step() == last - 1
+
+
+def test_halt_on_nonfinite_is_honoured_in_fp16(tmp_path):
+    cfg = small_config(precision="fp16", learning_rate=1e30, halt_on_nonfinite=True,
+                       log_every_steps=0)
+    with pytest.raises(FloatingPointError, match=r"halt_on_nonfinite=True"):
+        train_and_evaluate(cfg, str(tmp_path))
+
+
+def test_resume_with_another_learning_rate_names_the_difference(tmp_path):
+    train_and_evaluate(small_config(halt_after_steps=2, log_every_steps=0), str(tmp_path))
+    with pytest.raises(ValueError, match=r"learning_rate: 0.2 -> 0.1; resume with the same"):
+        train_and_evaluate(small_config(learning_rate=0.1, log_every_steps=0), str(tmp_path))
+    saved = json.load(open(tmp_path / "config.json"))
+    assert saved["learning_rate"] == 0.2 and saved["model"] == "resnet8"
+
+
+def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(_env())
+    env.pop("XLA_FLAGS", None)  # each process simulates its own 4 devices
+    procs = [subprocess.Popen(
+        _script(str(tmp_path), "--config.preemption_check_every_steps=4",
+                f"--config.distributed.coordinator=127.0.0.1:{port}",
+                "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
+                "--config.cpu_devices=4"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+    try:
+        out0 = []
+        for line in procs[0].stdout:  # process 0 logs; only process 1 gets the signal
+            out0.append(line)
+            if line.startswith("step      6"):
+                procs[1].send_signal(signal.SIGTERM)
+        out1 = procs[1].communicate(timeout=120)[0]
+        procs[0].wait(timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text0 = "".join(out0)
+    assert [p.returncode for p in procs] == [stops.EXIT_PREEMPTED] * 2, text0[-2000:] + out1[-2000:]
+    # the flag is all-gathered every 4 steps: both stop at the first such step after the signal
+    stopped = int(text0.split("stopped after step ")[1].split()[0])
+    assert stopped % 4 == 0 or stopped == 12
+    assert f"stopped by SIGTERM after step {stopped}" in out1
+    assert "SIGTERM (on another process)" in text0
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == [str(stopped)]
