@@ -115,6 +115,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_ranks(rank0, spawned, args: dict, world: int) -> int:
+    """Runs ``rank0(0, args, port)`` here and ``spawned(r, args, port)`` for ranks
+    1..world-1 in spawned processes (one free localhost port for the rendezvous);
+    joins them (60 s, then terminates) and returns 1 if any rank failed, else 0."""
+    import multiprocessing as mp
+    port = free_port()
+    procs = [mp.get_context("spawn").Process(target=spawned, args=(r, args, port), daemon=True)
+             for r in range(1, world)]
+    for pr in procs:
+        pr.start()
+    try:
+        rank0(0, args, port)
+    finally:
+        for pr in procs:
+            pr.join(timeout=60)
+            if pr.is_alive():
+                pr.terminate()
+    return 1 if any(pr.exitcode not in (0, None) for pr in procs) else 0
+
+
 def worker(rank: int, args: dict, port: int) -> None:
     """One DDP rank. Rank 0 reads commands from stdin and answers on stdout."""
     import torch
@@ -243,22 +263,7 @@ def main(argv=None) -> int:
         p.error(f"--global_batch {a.global_batch} is not divisible by --world {a.world}")
     if not args["threads"]:
         args["threads"] = max(1, (os.cpu_count() or 1) // a.world)
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_spawned, args=(r, args, port), daemon=True)
-             for r in range(1, a.world)]
-    for pr in procs:
-        pr.start()
-    try:
-        worker(0, args, port)
-    finally:
-        for pr in procs:
-            pr.join(timeout=60)
-            if pr.is_alive():
-                pr.terminate()
-    bad = [pr.exitcode for pr in procs if pr.exitcode not in (0, None)]
-    return 1 if bad else 0
+    return run_ranks(worker, _spawned, args, a.world)
 
 
 if __name__ == "__main__":

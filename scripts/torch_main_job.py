@@ -162,21 +162,8 @@ def main(argv=None) -> int:
     a["threads"] = a["threads"] or max(1, (os.cpu_count() or 1) // a["world"])
     a["t_main"] = t_main
     os.makedirs(a["workdir"], exist_ok=True)
-    import multiprocessing as mp
-    from torch_ddp_bench import free_port
-    port = free_port()
-    procs = [mp.get_context("spawn").Process(target=worker, args=(r, a, port), daemon=True)
-             for r in range(1, a["world"])]
-    for pr in procs:
-        pr.start()
-    try:
-        worker(0, a, port)
-    finally:
-        for pr in procs:
-            pr.join(timeout=60)
-            if pr.is_alive():
-                pr.terminate()
-    return 1 if any(pr.exitcode not in (0, None) for pr in procs) else 0
+    from torch_ddp_bench import run_ranks
+    return run_ranks(worker, worker, a, a["world"])
 
 
 if __name__ == "__main__":

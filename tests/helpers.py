@@ -115,3 +115,24 @@ def assert_within_reorder_rounding(a, b, start, steps: int, rows: int) -> float:
         assert diff <= lim, (key, diff, lim)
         worst = max(worst, diff / lim)
     return worst
+
+
+def tensorboard_scalars(folder):
+    """``[(tag, step, value)]`` of every scalar in the event files under ``folder``
+    (recursively, files in sorted order), read as TFRecords (uint64 length, uint32 crc,
+    an ``Event`` proto, uint32 crc) with tensorboardX's protos."""
+    import struct
+    from tensorboardX.proto import event_pb2
+    files = sorted(os.path.join(d, f) for d, _, fs in os.walk(str(folder)) for f in fs
+                   if "tfevents" in f)
+    assert files, f"no event files under {folder}"
+    out = []
+    for path in files:
+        data = open(path, "rb").read()
+        pos = 0
+        while pos < len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+    return out

@@ -5,26 +5,17 @@ import os
 
 import pytest
 
-from helpers import small_config
+from helpers import small_config, tensorboard_scalars
 from trjax import config as config_lib
 from trjax.metrics_log import read_rows
 from trjax.train import train_and_evaluate
 
 
 def _tensorboard_scalars(folder):
-    """{tag: [(step, value)]} from tensorboardX event files (TFRecord framing, Event protos)."""
-    import struct
-    from tensorboardX.proto import event_pb2
+    """{tag: [(step, value)]} from the event files under ``folder``."""
     out = {}
-    for path in sorted(glob.glob(os.path.join(folder, "events.out.tfevents.*"))):
-        data = open(path, "rb").read()
-        i = 0
-        while i < len(data):
-            (n,) = struct.unpack("<Q", data[i:i + 8])
-            event = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
-            i += 12 + n + 4
-            for v in event.summary.value:
-                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    for tag, step, value in tensorboard_scalars(folder):
+        out.setdefault(tag, []).append((step, value))
     return out
 
 

@@ -7,28 +7,18 @@ import sys
 import numpy as np
 import pytest
 
+from helpers import tensorboard_scalars
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 PY = sys.executable
 
 
 def _tensorboard_scalars(folder) -> dict:
-    """``{(tag, step): float32 value}`` of every event file under ``folder``, read as TFRecords
-    (uint64 length, uint32 crc, an ``Event`` proto, uint32 crc) with tensorboardX's protos."""
-    import struct
-    from tensorboardX.proto import event_pb2
+    """``{(tag, step): float32 value}``; a (tag, step) logged twice is an error."""
     out = {}
-    files = [os.path.join(d, f) for d, _, fs in os.walk(folder) for f in fs if "tfevents" in f]
-    assert files, os.listdir(folder)
-    for path in files:
-        data = open(path, "rb").read()
-        pos = 0
-        while pos < len(data):
-            (n,) = struct.unpack("<Q", data[pos:pos + 8])
-            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
-            pos += 12 + n + 4
-            for v in event.summary.value:
-                assert (v.tag, event.step) not in out, (v.tag, event.step)
-                out[v.tag, event.step] = np.float32(v.simple_value)
+    for tag, step, value in tensorboard_scalars(folder):
+        assert (tag, step) not in out, (tag, step)
+        out[tag, step] = np.float32(value)
     return out
 
 
