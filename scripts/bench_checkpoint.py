@@ -31,9 +31,9 @@ def main():
     import flax
     import numpy as np
     import orbax.checkpoint as ocp
-    from trjax import checkpoint, compilation, train
+    from trjax import checkpoint, compilation, trainer
 
-    state = train.setup(config).state
+    state = trainer.setup(config).state
 
     def device_arrays_sync(m, st):
         m.save(int(st.step), args=ocp.args.Composite(

@@ -30,7 +30,7 @@ def main(argv):
     config = flags.FLAGS.config
     jax.config.update("jax_num_cpu_devices", int(config.cpu_devices))
     from trjax import aot, input_pipeline, steps
-    from trjax.train import setup
+    from trjax.trainer import setup
     tr = setup(config)
     w, state = tr.world, tr.state
     unfolded = aot.compile_step("eval_unfolded", steps.make_eval_step(

@@ -29,7 +29,7 @@ Variants of the throughput modes, per world size N:
                   with a message when torch is not importable.
 
 Method: every variant of a world size is built first (trjax through
-``trjax.train.setup(config, data=Dataset of random normal images)``, torch as a
+``trjax.trainer.setup(config, data=Dataset of random normal images)``, torch as a
 server process that waits for commands), warmed up, then timed in interleaved
 rounds (the order rotates every round) so that background load hits all of
 them alike. Each timed step is ``state, m = train_step(state, device_batch)``

@@ -30,7 +30,7 @@ def main(argv):
     from trjax import host
     host.configure_cpu(config.cpu_devices, config.cpu_convolutions, config.cpu_reuse_memory)
     from trjax.report import comm_report, format_report
-    from trjax.train import setup
+    from trjax.trainer import setup
     report = comm_report(setup(config))
     print(json.dumps(report, indent=2) if flags.FLAGS.json else format_report(report))
 

@@ -326,7 +326,7 @@ def part_syncbn(a) -> dict:
     import optax
     sys.path.insert(0, os.path.join(REPO, "configs"))
     import default as default_config
-    from trjax import input_pipeline, models, optim, train
+    from trjax import input_pipeline, models, optim, trainer
     from trjax.world import host_value
 
     image, batch, name = ((8, 8, 3), 16, "resnet8") if a.dry_run else ((32, 32, 3), 64, "resnet20")
@@ -338,7 +338,7 @@ def part_syncbn(a) -> dict:
     x = rng.normal(size=(batch,) + image).astype(np.float32)
     y = rng.integers(0, 10, batch).astype(np.int32)
     split = input_pipeline.Split(x, y)
-    tr = train.setup(c, input_pipeline.Dataset(split, split, 10, "random"))
+    tr = trainer.setup(c, input_pipeline.Dataset(split, split, 10, "random"))
     to_host = lambda t: jax.tree_util.tree_map(lambda v: np.asarray(host_value(v)), t)
     params, stats, opt_state = (to_host(tr.state.params), to_host(tr.state.batch_stats),
                                 to_host(tr.state.opt_state))

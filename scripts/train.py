@@ -48,10 +48,11 @@ def main(argv):
     except ValueError as e:
         sys.exit(f"error: {e}")
     from trjax import stops
+    from trjax import workdir as workdir_lib
     from trjax.train import train_and_evaluate
     try:
         _, summary = train_and_evaluate(config, flags.FLAGS.workdir)
-    except (ValueError, FileNotFoundError, distributed.WorkdirBusy) as e:
+    except (ValueError, FileNotFoundError, workdir_lib.WorkdirBusy) as e:
         sys.exit(f"error: {e}")  # bad input or a busy workdir: the message says what to do
     except stops.Preempted as e:  # checkpoint saved, logs flushed: restart to resume
         print(f"trjax: {e}", file=sys.stderr, flush=True)

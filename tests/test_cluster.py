@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from trjax import distributed
-from trjax.distributed import Launch, WorkdirBusy, WorkdirLock, detect_launch, resolve_launch
+from trjax.distributed import Launch, detect_launch, resolve_launch
+from trjax.workdir import LOCK_NAME, WorkdirBusy, WorkdirLock
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TRAIN = [os.path.join(ROOT, "scripts", "train.py"), "--config",
@@ -113,12 +113,12 @@ def test_fake_srun_starts_one_run_of_two_processes(tmp_path):
     assert re.search(r"world_size=4 devices=\[.*\] \(cpu, 2 process\(es\)\)", logs[0])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["process_count"] == 2 and summary["world_size"] == 4 and summary["steps"] == 2
-    assert not (tmp_path / distributed.LOCK_NAME).exists()  # released at the end
+    assert not (tmp_path / LOCK_NAME).exists()  # released at the end
 
 
 HOLDER = """
 import sys, time
-from trjax.distributed import WorkdirLock
+from trjax.workdir import WorkdirLock
 WorkdirLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -130,7 +130,7 @@ def test_second_writer_is_refused_while_the_first_lives(tmp_path):
                               stdout=subprocess.PIPE, text=True, env=_env(PYTHONPATH=ROOT))
     try:
         assert holder.stdout.readline().strip() == "held"
-        lock = json.loads((tmp_path / distributed.LOCK_NAME).read_text())
+        lock = json.loads((tmp_path / LOCK_NAME).read_text())
         assert lock["pid"] == holder.pid and lock["host"] == socket.gethostname()
         with pytest.raises(WorkdirBusy,
                            match=rf"held by a live run \(pid {holder.pid} on this host"):
@@ -143,7 +143,7 @@ def test_second_writer_is_refused_while_the_first_lives(tmp_path):
             in out.stderr
         assert "compile" not in out.stdout  # refused before anything was built
         assert time.monotonic() - t0 < 60
-        assert sorted(os.listdir(tmp_path)) == [distributed.LOCK_NAME]
+        assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
     finally:
         holder.kill()
         holder.wait()
@@ -151,14 +151,14 @@ def test_second_writer_is_refused_while_the_first_lives(tmp_path):
     msgs = []
     lock = WorkdirLock(str(tmp_path), log=msgs.append).acquire()
     assert len(msgs) == 1 and f"no longer running (pid {holder.pid}" in msgs[0]
-    assert json.loads((tmp_path / distributed.LOCK_NAME).read_text())["pid"] == os.getpid()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
     assert WorkdirLock(str(tmp_path)).acquire().held  # the holder may take it again
     lock.release()
-    assert not (tmp_path / distributed.LOCK_NAME).exists()
+    assert not (tmp_path / LOCK_NAME).exists()
 
 
 def test_lock_of_another_host_or_a_recycled_pid(tmp_path):
-    path = tmp_path / distributed.LOCK_NAME
+    path = tmp_path / LOCK_NAME
     path.write_text(json.dumps({"host": "node-b", "pid": 17, "started": "yesterday"}))
     with pytest.raises(WorkdirBusy, match=r"held by a run on host 'node-b' .*delete .*trjax.lock"):
         WorkdirLock(str(tmp_path)).acquire()

@@ -9,7 +9,6 @@ result is the tuple (operand, output), ``collective-permute-start`` with two
 ``u32[]`` context values, the generic ``async-start``/``async-done`` with
 ``calls=`` a computation that wraps one collective)."""
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
@@ -157,9 +156,9 @@ def test_report_without_hlo_text(monkeypatch):
     """A backend whose Compiled.as_text() gives nothing: the report says so and
     still counts what the program requested, instead of failing."""
     from helpers import small_config
-    from trjax import report, train
+    from trjax import report, trainer
     monkeypatch.setattr(comm, "hlo_text", lambda compiled: None)
-    r = report.comm_report(train.setup(small_config(devices="2")))
+    r = report.comm_report(trainer.setup(small_config(devices="2")))
     assert r["gradient_all_reduces"] is None and r["deep_before_first_conv_wgrad"] is None
     assert r["train_step"]["collectives"] is None
     assert r["train_step"]["hlo"].startswith("unavailable")

@@ -1,6 +1,8 @@
-"""The trjax modules import one way: no import cycle, counting imports inside functions."""
+"""The trjax modules import one way (no import cycle, counting imports inside functions), as
+the README's concepts diagram draws them; no module grows past about 400 lines."""
 import ast
 import os
+import re
 
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "trjax")
@@ -72,3 +74,50 @@ def test_data_modules_import_one_way():
     for source in ("datasets", "formats", "imagefolder"):
         assert not graph[source] & {"input_pipeline", "augment"}, (source, graph[source])
     assert "datasets" in graph["input_pipeline"]
+
+
+README = os.path.join(ROOT, "..", "README.md")
+
+
+def readme_rows() -> list[list[str]]:
+    """The module rows of the README's concepts diagram ("imports, one way"),
+    top to bottom; words in parentheses are descriptions, not modules."""
+    lines = open(README).read().split("\n")
+    start = next(i for i, line in enumerate(lines) if "imports, one way" in line) + 2
+    rows = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        rows.append(re.sub(r"\([^)]*\)", " ", line).split())
+    return rows
+
+
+def test_readme_concepts_diagram_matches_the_import_graph():
+    graph = import_graph()
+    rows = readme_rows()
+    listed = [m for row in rows for m in row]
+    assert sorted(listed) == sorted(graph), (
+        f"README rows list {sorted(set(listed) - set(graph))} that are not trjax modules and "
+        f"miss {sorted(set(graph) - set(listed))}; duplicates: "
+        f"{sorted({m for m in listed if listed.count(m) > 1})}")
+    assert not misplaced(graph, rows), misplaced(graph, rows)
+
+
+def misplaced(graph: dict[str, set[str]], rows: list[list[str]]) -> dict[str, list[str]]:
+    """{module: the modules it imports from its own row or a row below}."""
+    row_of = {m: i for i, row in enumerate(rows) for m in row}
+    wrong = {m: sorted(d for d in graph[m] if row_of[d] >= row_of[m]) for m in graph}
+    return {m: d for m, d in wrong.items() if d}
+
+
+def test_the_diagram_check_sees_a_module_in_the_wrong_row():
+    graph = {"a": set(), "b": {"a"}, "c": {"a"}}
+    assert misplaced(graph, [["a"], ["b", "c"]]) == {}
+    assert misplaced(graph, [["b"], ["a"], ["c"]]) == {"b": ["a"]}
+    assert misplaced(graph, [["a", "c"], ["b"]]) == {"c": ["a"]}  # same row: not above
+
+
+def test_no_trjax_module_is_over_400_lines():
+    sizes = {f: sum(1 for _ in open(os.path.join(ROOT, f))) for f in os.listdir(ROOT)
+             if f.endswith(".py")}
+    assert max(sizes.values()) <= 400, {f: n for f, n in sizes.items() if n > 400}

@@ -2,16 +2,14 @@
 
 Between GPUs XLA's collectives run on NCCL, between CPU processes on gloo: no
 transport of our own. This module only starts the runtime, checks that the
-processes agree, and watches for a stuck step.
+processes agree, and watches for a stuck step (one writer per workdir is
+:mod:`trjax.workdir`).
 
 * :func:`detect_launch` / :func:`initialize` -- ``jax.distributed.initialize``
   with an explicit coordinator (``host:port``, process count, process id) or,
   by default, from the launcher's environment (SLURM ``srun``, Open MPI
   ``mpirun``, ``JAX_COORDINATOR_ADDRESS``), with a heartbeat timeout: when a
   peer dies, the survivors abort within about that time instead of hanging.
-* :func:`holds_workdir` / :class:`WorkdirLock` -- one writer per workdir: a
-  lock file with host and pid; a second live run is refused, a dead one's
-  lock is taken over.
 * :func:`check_agree` -- every process must hold the same values (steps per
   epoch, global example count, config fields); a mismatch names the process.
 * :func:`tree_checksum` -- a bit-exact checksum of a pytree, compared across
@@ -23,10 +21,7 @@ processes agree, and watches for a stuck step.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import json
 import os
-import socket
 import sys
 import threading
 import time
@@ -186,163 +181,6 @@ def initialize(coordinator_address: str = "", num_processes: int = 1, process_id
                                heartbeat_timeout_seconds=heartbeat_timeout_s,
                                initialization_timeout=initialization_timeout_s)
     return True
-
-
-LOCK_NAME = "trjax.lock"
-
-
-class WorkdirBusy(RuntimeError):
-    """Another live run writes into this workdir."""
-
-
-def _start_time(pid: int) -> str | None:
-    """The start time of ``pid`` (``/proc/PID/stat`` field 22, clock ticks since
-    boot), or None when no such process (or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    """Whether ``pid`` runs on this host and is the process that wrote ``start``."""
-    if pid <= 0:  # kill(0 or -1, 0) would ask about whole process groups
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process: alive
-    now = _start_time(pid)
-    return start is None or now is None or now == start  # a recycled pid is another process
-
-
-class WorkdirLock:
-    """One writer per workdir: ``WORKDIR/trjax.lock`` holds the host, pid and
-    start time of the run that writes there.
-
-    :meth:`acquire` creates the file atomically (``O_CREAT | O_EXCL``). An
-    existing lock of a live process is refused; one left by a process that is
-    no longer running on this host (killed, crashed) is taken over with a
-    message. A lock from another host cannot be checked and is refused.
-    :meth:`release` removes it. The holding process may acquire again.
-    """
-
-    def __init__(self, workdir: str, log=print):
-        self.workdir, self.log = workdir, log
-        self.path = os.path.join(workdir, LOCK_NAME)
-        self.held = self.created = False
-
-    def _mine(self) -> dict:
-        pid = os.getpid()
-        return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[:8]}
-
-    def acquire(self) -> "WorkdirLock":
-        """Takes the lock.
-
-        Raises:
-          WorkdirBusy: another live run holds the workdir (names its host,
-            pid and start, and what to do).
-        """
-        self.created = not os.path.isdir(self.workdir)
-        os.makedirs(self.workdir, exist_ok=True)
-        me = self._mine()
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                try:
-                    with open(self.path) as f:
-                        other = json.load(f)
-                except (OSError, ValueError):
-                    other = {}
-                if not other:  # being written this instant, or unreadable
-                    time.sleep(0.2)
-                    if os.path.exists(self.path) and os.path.getsize(self.path) == 0:
-                        raise WorkdirBusy(f"workdir {self.workdir!r}: the lock {self.path} is "
-                                           "empty or unreadable; if no run uses this workdir, "
-                                           "delete the file")
-                    continue
-                if other.get("host") == me["host"] and other.get("pid") == me["pid"]:
-                    self.held = True  # this process already holds it
-                    return self
-                if other.get("host") != me["host"]:
-                    raise WorkdirBusy(
-                        f"workdir {self.workdir!r} is held by a run on host {other.get('host')!r} "
-                        f"(pid {other.get('pid')}, since {other.get('started')}): two runs must "
-                        "not write one workdir. Use another --workdir, or, if that run is over, "
-                        f"delete {self.path}")
-                if _alive(int(other.get("pid") or 0), other.get("start")):
-                    raise WorkdirBusy(
-                        f"workdir {self.workdir!r} is held by a live run (pid {other['pid']} on "
-                        f"this host, since {other.get('started')}): two runs must not write one "
-                        "workdir. Use another --workdir, or wait for that run to end")
-                self.log(f"trjax: taking over the lock of a run that is no longer running "
-                         f"(pid {other.get('pid')} on {other.get('host')}, since "
-                         f"{other.get('started')}): {self.path}")
-                try:
-                    os.remove(self.path)
-                except FileNotFoundError:
-                    pass
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return self
-        raise WorkdirBusy(f"workdir {self.workdir!r}: could not take {self.path} (another "
-                           "process keeps replacing it)")
-
-    def release(self) -> None:
-        """Removes the lock if this process holds it."""
-        if not self.held:
-            return
-        self.held = False
-        try:
-            with open(self.path) as f:
-                other = json.load(f)
-            if other.get("pid") == os.getpid() and other.get("host") == socket.gethostname():
-                os.remove(self.path)
-            if self.created and not os.listdir(self.workdir):
-                os.rmdir(self.workdir)  # a refused or failed run leaves nothing behind
-        except (OSError, ValueError):
-            pass
-
-    def __enter__(self):
-        return self.acquire()
-
-    def __exit__(self, *exc):
-        self.release()
-        return False
-
-
-def holds_workdir(fn):
-    """Decorator for ``fn(config, workdir, ...)``: process 0 holds
-    :class:`WorkdirLock` on ``workdir`` while ``fn`` runs (other processes of
-    a multi-process run write nothing there). Refusal raises
-    :class:`WorkdirBusy` before ``fn`` starts."""
-    @functools.wraps(fn)
-    def wrapper(config, workdir, *args, **kwargs):
-        if jax.process_index() != 0:
-            return fn(config, workdir, *args, **kwargs)
-        lock = WorkdirLock(workdir)
-        held_before = os.path.exists(lock.path) and _lock_pid(lock.path) == os.getpid()
-        with lock:
-            try:
-                return fn(config, workdir, *args, **kwargs)
-            finally:
-                lock.held = lock.held and not held_before  # a nested call keeps the outer lock
-    return wrapper
-
-
-def _lock_pid(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f).get("pid")
-    except (OSError, ValueError):
-        return None
 
 
 def check_agree(values: dict) -> None:

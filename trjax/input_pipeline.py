@@ -32,8 +32,6 @@ fewer bytes than float32); the compiled step standardises them with
 from __future__ import annotations
 
 import os
-import queue
-import threading
 from typing import Iterable, Iterator
 
 import jax
@@ -44,6 +42,7 @@ from trjax import augment
 from trjax.datasets import (DATASETS, LOADERS, Dataset, Split, load_dataset,  # noqa: F401
                             load_digits)  # re-exported: the pipeline's callers need one import
 from trjax.imagefolder import BadImage
+from trjax.prefetch import prefetch  # noqa: F401  (the pipeline's last host stage)
 
 REMAINDERS = ("pad", "drop")
 
@@ -227,83 +226,6 @@ def skipped_images(data: Dataset, seen: Iterable[str] = ()) -> list[str]:
     for split in (data.train, data.val):
         out.update(getattr(split, "skipped", ()))
     return sorted(out)
-
-
-# ---------------------------------------------------------------------------
-# Host prefetching.
-# ---------------------------------------------------------------------------
-_END = object()
-
-
-class _Raised:
-    """An exception from the producer, distinguishable from any item."""
-    __slots__ = ("error",)
-
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-def prefetch(iterator: Iterable, depth: int = 2) -> Iterator:
-    """Runs ``iterator`` in a background thread, with up to ``depth`` items queued.
-
-    The producer holds at most one more item while it waits for a free slot.
-
-    Items arrive in order. An exception raised by the producer is re-raised in
-    the consumer at the point it occurred (after the items produced before it).
-    When the consumer stops early (``close()``, ``break`` in a for loop, or the
-    generator being garbage collected), the producer is told to stop, the
-    source iterator's ``close()`` (if any) is called in the producer thread and
-    the thread is joined: no thread is left behind. A producer blocked inside a
-    slow ``next()`` finishes that one item first. The thread starts on the
-    first ``next()``.
-
-    Raises:
-      ValueError: ``depth < 1``.
-    """
-    if depth < 1:
-        raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-    return _prefetch(iter(iterator), depth)
-
-
-def _prefetch(source: Iterator, depth: int) -> Iterator:
-    q: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                q.put(item, timeout=0.05)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def produce():
-        try:
-            for item in source:
-                if not put(item):
-                    return
-            put(_END)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            put(_Raised(e))
-        finally:
-            close = getattr(source, "close", None)
-            if close is not None:
-                close()
-
-    thread = threading.Thread(target=produce, name="trjax-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = q.get()
-            if item is _END:
-                return
-            if isinstance(item, _Raised):
-                raise item.error
-            yield item
-    finally:
-        stop.set()
-        thread.join()
 
 
 # ---------------------------------------------------------------------------

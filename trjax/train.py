@@ -1,4 +1,4 @@
-"""The training loop: config -> world -> data -> model and plan -> compiled steps -> epochs.
+"""The training loop: a built :class:`trjax.trainer.Trainer` -> epochs of steps, evaluation, checkpoints.
 
 ``train_and_evaluate(config, workdir)`` is the whole job (the Flax ImageNet
 example's shape). It is the only place with side effects: it prints one log
@@ -18,159 +18,23 @@ collectives (dispatching ~50 unawaited steps deadlocks XLA's CPU rendezvous).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import sys
 import time
-from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
 
-from trjax import (aot, checkpoint, compilation, distributed, host, input_pipeline, loop_io,
-                   metrics_log, models, optim, steps, stops)
-from trjax import config as config_lib
-from trjax import exchange as exchange_lib
+from trjax import (checkpoint, compilation, distributed, host, input_pipeline, loop_io,
+                   metrics_log, stops)
 from trjax.loop_io import MetricsReader  # noqa: F401  (its home before loop_io)
-from trjax.metrics import METRICS, StepMetrics
-from trjax.plan import build_plan, resolve_kernel_order
-from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
-from trjax.state import create_train_state
-from trjax.world import host_value, make_world
-
-
-@dataclasses.dataclass
-class Trainer:
-    """Everything built before the first step: the output of :func:`setup`.
-
-    ``state`` and the compiled steps are ``None`` in the output of
-    :func:`prepare` (nothing traced or placed on devices yet)."""
-    config: Any
-    world: Any
-    data: Any
-    model: Any
-    plan: Any
-    schedule: Any
-    exchange: exchange_lib.GradientExchange
-    steps_per_epoch: int
-    dtype: Any
-    state: Any = None
-    train_step: aot.CompiledStep | None = None
-    fold_bn: aot.CompiledStep | None = None
-    eval_step: aot.CompiledStep | None = None
-    eval_reduce: aot.CompiledStep | None = None
-
-    @property
-    def compiled(self):
-        return (self.train_step, self.fold_bn, self.eval_step, self.eval_reduce)
-
-
-def prepare(config: ml_collections.ConfigDict,
-            data: input_pipeline.Dataset | None = None) -> Trainer:
-    """Config -> world -> data -> model, plan, schedule and gradient exchange.
-
-    Every check on the config, the device spec and the batch split runs
-    first (:func:`trjax.config.validate`); nothing is traced, compiled or
-    placed on a device. :func:`setup` finishes the job.
-
-    Raises:
-      ValueError: an invalid config, device spec or batch split.
-    """
-    config_lib.validate(config)
-    world = make_world(config.devices, config.global_batch_size)
-    config_lib.validate(config, world.world_size)
-    if data is None:
-        data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size,
-                                           verify=config.verify_images,
-                                           skip_bad_images=config.skip_bad_images)
-    input_pipeline.resolve_workers(config.data_workers, data.train)  # a bad value: error now
-    model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
-                                axis_name=world.axis_name, bn_momentum=config.bn_momentum,
-                                dtype=compute_dtype(config.precision), input_mean=data.mean,
-                                input_std=data.std)
-    plan = build_plan(model, data.image_shape, config.buckets,
-                      resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform))
-    train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
-                                                 config.train_remainder)
-    schedule = optim.learning_rate_schedule(config.learning_rate,
-                                            config.warmup_epochs * train_steps,
-                                            train_steps * config.num_epochs)
-    exchange = exchange_lib.from_config(config, plan, schedule, world)
-    return Trainer(config, world, data, model, plan, schedule, exchange, train_steps,
-                   compute_dtype(config.precision))
-
-
-def setup(config: ml_collections.ConfigDict,
-          data: input_pipeline.Dataset | None = None, prepared: Trainer | None = None) -> Trainer:
-    """:func:`prepare`, then the train state and the compiled steps.
-
-    The four steps are compiled here, once, with the train state donated;
-    the plan then carries the train step's memory statistics.
-
-    Args:
-      config: see ``configs/default.py``.
-      data: a :class:`trjax.input_pipeline.Dataset` to use instead of
-        ``config.dataset`` (arrays already in memory).
-      prepared: the output of :func:`prepare` for this config, if already built.
-
-    Raises:
-      ValueError: an invalid config, device spec or batch split (before
-        anything is compiled).
-    """
-    tr = prepared if prepared is not None else prepare(config, data)
-    world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
-    fp16 = config.precision == "fp16"
-    state = create_train_state(config.seed, model, tr.exchange, world,
-                               data.image_shape, config.bn_mode,
-                               loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
-
-    def example(n):
-        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
-                                              input_pipeline.device_image_dtype(data.image_dtype, dtype),
-                                              sharding=world.sharded()),
-                "label": jax.ShapeDtypeStruct((n,), np.int32, sharding=world.sharded()),
-                "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
-    acc_shape = jax.ShapeDtypeStruct((world.world_size, len(METRICS)), np.float32,
-                                     sharding=world.sharded())
-    train_step = aot.compile_step(
-        "train_step", steps.make_train_step(
-            model, tr.exchange, plan, world, config.bn_mode, dynamic_loss_scale=fp16,
-            growth_interval=config.loss_scale_growth_interval,
-            grad_accumulation_steps=config.grad_accumulation_steps),
-        state, example(world.global_batch_size), donate_argnums=0)
-    fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state)
-    folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
-    eval_step = aot.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
-                                 state.params, folded, example(config.eval_batch_size),
-                                 acc_shape, donate_argnums=3)
-    eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
-    return dataclasses.replace(tr, plan=plan.with_memory(train_step.memory()), state=state,
-                               train_step=train_step, fold_bn=fold_bn, eval_step=eval_step,
-                               eval_reduce=eval_reduce)
-
-
-def evaluate_pass(tr: Trainer, state, skipped: set | None = None) -> dict:
-    """One validation pass: fold BN once, accumulate per device, ONE all-reduce.
-
-    Returns ``{"loss", "top1", "top5", "count", "sums"}``: global sums over the
-    global count of real examples (padding rows are masked out); ``sums`` is
-    the raw ``[loss_sum, top1_correct, top5_correct, count]``.
-    """
-    world = tr.world
-    folded = tr.fold_bn(state)
-    acc = world.put(np.zeros((world.world_size, len(METRICS)), np.float32), world.sharded())
-    rows = world.process_rows(tr.config.eval_batch_size)
-    for batch in input_pipeline.prefetch(input_pipeline.iterate_batches(
-            tr.data.val, tr.config.eval_batch_size, shuffle=False, rows=rows,
-            image_shape=tr.data.image_shape, workers=tr.config.data_workers, skipped=skipped),
-            depth=tr.config.prefetch):
-        acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
-            batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
-    sums = host_value(tr.eval_reduce(acc))
-    total = StepMetrics.from_sums(sums)
-    return {**total.rates(), "count": int(total.count), "sums": sums.tolist()}
+# the trainer's pieces, also reached as trjax.train.<name> (the loop calls evaluate_pass
+# through this module, so a test may wrap it here)
+from trjax.trainer import Trainer, evaluate_pass, prepare, setup  # noqa: F401
+from trjax.workdir import holds_workdir
+from trjax.world import host_value
 
 
 def _progress(total: int, epoch: int, enabled: bool):
@@ -202,7 +66,7 @@ def _finishing(ckpt, seconds: list):
     seconds[0] += time.perf_counter() - t
 
 
-@distributed.holds_workdir  # one live run per workdir (process 0 holds WORKDIR/trjax.lock)
+@holds_workdir  # one live run per workdir (process 0 holds WORKDIR/trjax.lock)
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        data: input_pipeline.Dataset | None = None):
     """Trains and evaluates, checkpointing under ``workdir/checkpoints``.
@@ -230,7 +94,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         step every process agreed on is saved and the logs are flushed.
       OSError (or orbax's error): a checkpoint write failed; raised at the
         next save or at the end of the loop (the previous checkpoints stay).
-      trjax.distributed.WorkdirBusy: another live run writes into ``workdir``.
+      trjax.workdir.WorkdirBusy: another live run writes into ``workdir``.
     """
     t_start = time.perf_counter()
     prepared = prepare(config, data)

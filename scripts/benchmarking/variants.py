@@ -17,16 +17,16 @@ from benchmarking.common import REPO, TORCH_SCRIPT
 
 
 class JaxVariant:
-    """A trjax train step built by ``trjax.train.setup``; ``run(k)`` times k steps."""
+    """A trjax train step built by ``trjax.trainer.setup``; ``run(k)`` times k steps."""
 
     def __init__(self, name: str, config, data, memory_compare: bool = True,
                  host_input: bool = False):
         import jax
         import numpy as np
-        from trjax import aot, comm, input_pipeline, train
+        from trjax import aot, comm, input_pipeline, trainer
         self.name, self.config, self.host_input = name, config, host_input
         t0 = time.perf_counter()
-        self.tr = tr = train.setup(config, data)
+        self.tr = tr = trainer.setup(config, data)
         setup_s = time.perf_counter() - t0
         self.state = tr.state
         g, nc = config.global_batch_size, data.num_classes

@@ -1,0 +1,157 @@
+"""The trainer: config -> world -> data -> model, plan and exchange -> train state -> compiled steps.
+
+:func:`prepare` runs every check and builds what needs no device; :func:`setup`
+adds the train state and the four ahead-of-time compiled steps (train step,
+BN fold, eval step, eval all-reduce); :func:`evaluate_pass` is one exact
+validation pass. The loop that drives them is :mod:`trjax.train`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from trjax import aot, input_pipeline, models, optim, steps
+from trjax import config as config_lib
+from trjax import exchange as exchange_lib
+from trjax.metrics import METRICS, StepMetrics
+from trjax.plan import build_plan, resolve_kernel_order
+from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
+from trjax.state import create_train_state
+from trjax.world import host_value, make_world
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything built before the first step: the output of :func:`setup`.
+
+    ``state`` and the compiled steps are ``None`` in the output of
+    :func:`prepare` (nothing traced or placed on devices yet)."""
+    config: Any
+    world: Any
+    data: Any
+    model: Any
+    plan: Any
+    schedule: Any
+    exchange: exchange_lib.GradientExchange
+    steps_per_epoch: int
+    dtype: Any
+    state: Any = None
+    train_step: aot.CompiledStep | None = None
+    fold_bn: aot.CompiledStep | None = None
+    eval_step: aot.CompiledStep | None = None
+    eval_reduce: aot.CompiledStep | None = None
+
+    @property
+    def compiled(self):
+        return (self.train_step, self.fold_bn, self.eval_step, self.eval_reduce)
+
+
+def prepare(config: ml_collections.ConfigDict,
+            data: input_pipeline.Dataset | None = None) -> Trainer:
+    """Config -> world -> data -> model, plan, schedule and gradient exchange.
+
+    Every check on the config, the device spec and the batch split runs
+    first (:func:`trjax.config.validate`); nothing is traced, compiled or
+    placed on a device. :func:`setup` finishes the job.
+
+    Raises:
+      ValueError: an invalid config, device spec or batch split.
+    """
+    config_lib.validate(config)
+    world = make_world(config.devices, config.global_batch_size)
+    config_lib.validate(config, world.world_size)
+    if data is None:
+        data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size,
+                                           verify=config.verify_images,
+                                           skip_bad_images=config.skip_bad_images)
+    input_pipeline.resolve_workers(config.data_workers, data.train)  # a bad value: error now
+    model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
+                                axis_name=world.axis_name, bn_momentum=config.bn_momentum,
+                                dtype=compute_dtype(config.precision), input_mean=data.mean,
+                                input_std=data.std)
+    plan = build_plan(model, data.image_shape, config.buckets,
+                      resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform))
+    train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
+                                                 config.train_remainder)
+    schedule = optim.learning_rate_schedule(config.learning_rate,
+                                            config.warmup_epochs * train_steps,
+                                            train_steps * config.num_epochs)
+    exchange = exchange_lib.from_config(config, plan, schedule, world)
+    return Trainer(config, world, data, model, plan, schedule, exchange, train_steps,
+                   compute_dtype(config.precision))
+
+
+def setup(config: ml_collections.ConfigDict,
+          data: input_pipeline.Dataset | None = None, prepared: Trainer | None = None) -> Trainer:
+    """:func:`prepare`, then the train state and the compiled steps.
+
+    The four steps are compiled here, once, with the train state donated;
+    the plan then carries the train step's memory statistics.
+
+    Args:
+      config: see ``configs/default.py``.
+      data: a :class:`trjax.input_pipeline.Dataset` to use instead of
+        ``config.dataset`` (arrays already in memory).
+      prepared: the output of :func:`prepare` for this config, if already built.
+
+    Raises:
+      ValueError: an invalid config, device spec or batch split (before
+        anything is compiled).
+    """
+    tr = prepared if prepared is not None else prepare(config, data)
+    world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
+    fp16 = config.precision == "fp16"
+    state = create_train_state(config.seed, model, tr.exchange, world,
+                               data.image_shape, config.bn_mode,
+                               loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
+
+    def example(n):
+        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
+                                              input_pipeline.device_image_dtype(data.image_dtype, dtype),
+                                              sharding=world.sharded()),
+                "label": jax.ShapeDtypeStruct((n,), np.int32, sharding=world.sharded()),
+                "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
+    acc_shape = jax.ShapeDtypeStruct((world.world_size, len(METRICS)), np.float32,
+                                     sharding=world.sharded())
+    train_step = aot.compile_step(
+        "train_step", steps.make_train_step(
+            model, tr.exchange, plan, world, config.bn_mode, dynamic_loss_scale=fp16,
+            growth_interval=config.loss_scale_growth_interval,
+            grad_accumulation_steps=config.grad_accumulation_steps),
+        state, example(world.global_batch_size), donate_argnums=0)
+    fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state)
+    folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
+    eval_step = aot.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
+                                 state.params, folded, example(config.eval_batch_size),
+                                 acc_shape, donate_argnums=3)
+    eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
+    return dataclasses.replace(tr, plan=plan.with_memory(train_step.memory()), state=state,
+                               train_step=train_step, fold_bn=fold_bn, eval_step=eval_step,
+                               eval_reduce=eval_reduce)
+
+
+def evaluate_pass(tr: Trainer, state, skipped: set | None = None) -> dict:
+    """One validation pass: fold BN once, accumulate per device, ONE all-reduce.
+
+    Returns ``{"loss", "top1", "top5", "count", "sums"}``: global sums over the
+    global count of real examples (padding rows are masked out); ``sums`` is
+    the raw ``[loss_sum, top1_correct, top5_correct, count]``.
+    """
+    world = tr.world
+    folded = tr.fold_bn(state)
+    acc = world.put(np.zeros((world.world_size, len(METRICS)), np.float32), world.sharded())
+    rows = world.process_rows(tr.config.eval_batch_size)
+    for batch in input_pipeline.prefetch(input_pipeline.iterate_batches(
+            tr.data.val, tr.config.eval_batch_size, shuffle=False, rows=rows,
+            image_shape=tr.data.image_shape, workers=tr.config.data_workers, skipped=skipped),
+            depth=tr.config.prefetch):
+        acc = tr.eval_step(state.params, folded, input_pipeline.to_device(
+            batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
+    sums = host_value(tr.eval_reduce(acc))
+    total = StepMetrics.from_sums(sums)
+    return {**total.rates(), "count": int(total.count), "sums": sums.tolist()}
