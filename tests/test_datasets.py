@@ -289,6 +289,24 @@ def test_digits_are_the_integers_0_to_16_as_uint8():
     np.testing.assert_array_equal(d.val.labels, ds.load_digits().val.labels)  # fixed split
 
 
+def test_the_packaged_digits_are_scikit_learns_split_bit_for_bit():
+    """The copy in trjax/data equals scikit-learn's digits and train_test_split's stratified
+    split, in its order; another split is computed by scikit-learn."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+    raw = load_digits()
+    x, y = raw.images.astype(np.uint8)[..., None], raw.target.astype(np.int32)
+    for fraction, seed in ((0.2, 0), (0.3, 1)):
+        xtr, xva, ytr, yva = train_test_split(x, y, test_size=fraction, random_state=seed,
+                                              stratify=y)
+        d = ds.load_digits(fraction, seed)
+        for got, want in ((d.train.images, xtr), (d.train.labels, ytr), (d.val.images, xva),
+                          (d.val.labels, yva)):
+            assert got.dtype == want.dtype
+            np.testing.assert_array_equal(got, want)
+    assert ds.DIGITS_FILE.exists()
+
+
 def test_one_registry_names_every_loader(tmp_path):
     assert ds.DATASETS == tuple(ds.LOADERS) == ip.DATASETS
     assert set(ds.DATASETS) == {"digits", "cifar10", "cifar100", "mnist", "fashion_mnist",

@@ -2,6 +2,8 @@
 import glob
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -9,6 +11,8 @@ from helpers import small_config, tensorboard_scalars
 from trjax import config as config_lib
 from trjax.metrics_log import read_rows
 from trjax.train import train_and_evaluate
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def _tensorboard_scalars(folder):
@@ -52,3 +56,26 @@ def test_short_run_writes_step_log_tensorboard_config_and_profile(tmp_path, caps
 def test_bad_profile_steps_is_named(spec):
     with pytest.raises(ValueError, match=rf"config.profile_steps={spec!r} must be 'A:B'"):
         config_lib.validate(small_config(profile_steps=spec))
+
+
+def test_tensorboard_writer_does_not_import_torch(tmp_path):
+    """tensorboardX imports torch when it is installed (1-2 s of start-up); the writer is
+    opened without it, still writes events, and torch imports normally afterwards."""
+    import importlib.util
+    has_torch = importlib.util.find_spec("torch") is not None
+    code = f"""
+import sys, ml_collections
+from trjax import loop_io
+w = loop_io.open_tensorboard(ml_collections.ConfigDict({{"tensorboard": True}}), sys.argv[1], print)
+w.add_scalar("x", 2.5, 7); w.close()
+assert "torch" not in sys.modules, "torch was imported"
+if {has_torch}:
+    import torch
+    assert torch.ones(2).sum().item() == 2.0
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+    assert [(t, s, v) for t, s, v in tensorboard_scalars(str(tmp_path / "tensorboard"))] == \
+        [("x", 7, 2.5)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import sys
 import time
 from typing import Callable
 
@@ -93,11 +94,31 @@ def open_tensorboard(config, workdir: str, say):
     if not config.tensorboard or jax.process_index() != 0:
         return None
     try:
-        from tensorboardX import SummaryWriter
+        summary_writer = _tensorboardx_writer_class()
     except ImportError:
         say("tensorboard: off (tensorboardX is not installed: pip install 'trjax[tensorboard]')")
         return None
-    return SummaryWriter(os.path.join(workdir, "tensorboard"))
+    return summary_writer(os.path.join(workdir, "tensorboard"))
+
+
+def _tensorboardx_writer_class():
+    """``tensorboardX.SummaryWriter``, imported without importing torch.
+
+    tensorboardX imports torch whenever it is installed, only to accept torch
+    tensors as values; trjax writes Python floats, and the torch import costs
+    1-2 s of every run's start-up. ``sys.modules["torch"] = None`` (Python's
+    documented way to make an import fail) blocks it during tensorboardX's own
+    import only; a later ``import torch`` works as usual.
+    """
+    if "torch" in sys.modules or "tensorboardX" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 class MetricsReader:
