@@ -150,6 +150,17 @@ def test_config_combinations_are_checked_in_one_place():
     with pytest.raises(ValueError, match="config.buckets='size:0' is not one of"):
         validate(small_config(buckets="size:0"))
     validate(small_config(grad_accumulation_steps=4), world_size=8)  # local batch 16
+    # keys the chosen mode would ignore
+    validate(small_config(compression="powersgd", compression_start_step=5))
+    validate(small_config(allreduce="hierarchical", allreduce_local_size=4), world_size=8)
+    with pytest.raises(ValueError, match=r"config.allreduce='ring' has no compressed form: "
+                                         r"compressed buckets \(config.compression='bf16'\)"):
+        validate(small_config(allreduce="ring", compression="bf16"))
+    with pytest.raises(ValueError, match="allreduce_local_size=4 applies to allreduce="
+                                         "'hierarchical' only .*'tree'"):
+        validate(small_config(allreduce="tree", allreduce_local_size=4))
+    with pytest.raises(ValueError, match="compression_start_step=100 needs a compression"):
+        validate(small_config(compression_start_step=100))
     with pytest.raises(ValueError, match="grad_accumulation_steps=0 must be a positive int"):
         validate(small_config(grad_accumulation_steps=0))
 

@@ -88,6 +88,19 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
         raise ValueError("config.shard_optimizer_state=True (ZeRO-1) needs optimizer='sgd', "
                          "compression='none' and allreduce='xla' (got "
                          f"{c.optimizer!r}, {c.compression!r}, {c.allreduce!r})")
+    # a key that the chosen mode would ignore is an error, not a silent no-op
+    if c.compression != "none" and c.allreduce != "xla":
+        raise ValueError(f"config.allreduce={c.allreduce!r} has no compressed form: compressed "
+                         f"buckets (config.compression={c.compression!r}) are all-reduced by "
+                         "XLA's psum; set allreduce='xla' or compression='none'")
+    if c.allreduce_local_size and c.allreduce != "hierarchical":
+        raise ValueError(f"config.allreduce_local_size={c.allreduce_local_size!r} applies to "
+                         f"allreduce='hierarchical' only (got allreduce={c.allreduce!r}); "
+                         "set it to 0 or choose the hierarchical all-reduce")
+    if c.compression_start_step and c.compression == "none":
+        raise ValueError(f"config.compression_start_step={c.compression_start_step!r} needs a "
+                         "compression (config.compression='none'); set it to 0 or choose one "
+                         f"of {list(compression.COMPRESSORS)}")
     if world_size is None:
         return
     check_batch_split(c.global_batch_size, world_size, "config.global_batch_size")
