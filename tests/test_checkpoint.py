@@ -173,3 +173,20 @@ def test_sharded_leaves_round_trip_through_the_host_copy(tmp_path):
     assert _bits(restored) == _bits(tr.state)
     for a, b in zip(jax.tree_util.tree_leaves(restored), jax.tree_util.tree_leaves(tr.state)):
         assert a.sharding.is_equivalent_to(b.sharding, a.ndim)
+
+
+def test_a_fresh_run_into_a_workdir_with_checkpoints_is_refused(tmp_path, monkeypatch):
+    """resume=False where checkpoints exist would restart at step 0 and overwrite them and
+    the logs: an error naming the folder, before anything is compiled or written."""
+    from trjax import aot
+    (tmp_path / "checkpoints" / "12").mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text('{"epoch": 1, "step": 12}\n')
+    compiled = []
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: compiled.append(a))
+    with pytest.raises(ValueError, match=r"config.resume=False but .*checkpoints holds "
+                                         r"checkpoints \(\['12'\]\).*use a new --workdir"):
+        train_and_evaluate(small_config(resume=False), str(tmp_path))
+    assert not compiled
+    assert os.listdir(tmp_path / "checkpoints") == ["12"]
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"epoch": 1, "step": 12}\n'
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "metrics.jsonl"]

@@ -85,7 +85,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
 
     Raises:
       ValueError: an invalid config, device spec or batch split (before any
-        compilation), or an incompatible checkpoint.
+        compilation), an incompatible checkpoint, or ``config.resume=False``
+        into a workdir that holds checkpoints.
       FloatingPointError: a skipped non-finite step when
         ``config.halt_on_nonfinite``, or ``config.max_consecutive_overflows``
         non-finite steps in a row at the minimum loss scale (no checkpoint is
@@ -108,7 +109,13 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     # the exchange names what its state's layout depends on (e.g. the kernel order)
     expect = {**{k: config[k] for k in checkpoint.COMPATIBLE_FIELDS},
               **prepared.exchange.checkpoint_keys}
-    resuming = bool(config.resume and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir))
+    has_checkpoints = bool(os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir))
+    if has_checkpoints and not config.resume:  # step 0 again would overwrite them and the logs
+        raise ValueError(f"config.resume=False but {ckpt_dir} holds checkpoints "
+                         f"({sorted(os.listdir(ckpt_dir))[:5]}): a new run from step 0 would "
+                         "overwrite them and the logs; use a new --workdir, or delete that "
+                         "folder to start over")
+    resuming = bool(config.resume and has_checkpoints)
     if resuming:  # incompatible: an error before compiling
         checkpoint.check_compatible(checkpoint.manager(ckpt_dir, config.keep_checkpoints), expect)
     lead = jax.process_index() == 0
