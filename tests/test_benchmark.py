@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
 from trjax.host import available_cores  # noqa: E402
@@ -107,6 +109,9 @@ def test_time_to_accuracy_tiny(tmp_path):
             assert x["compiles_during_training"] == 0 == s["compiles_during_training"]
             assert x["wall_s"] > s["wall_s"] > 0  # the process outlives train_and_evaluate
             assert x["profile"]["train_s"] > 0
+            t = x["profile"]["seconds"]  # summary.json's measured parts, and the rest
+            assert t["train"] == s["seconds"]["train"] > 0 and t["setup"] > 0
+            assert sum(t.values()) == pytest.approx(s["wall_s"], abs=0.01)
     cold, warm = runs["cold"]["profile"], runs["warm"]["profile"]
     assert cold["startup_programs"]["compiled"] >= 1 and cold["compile_s_total"] > 0
     assert warm["startup_programs"]["compiled"] == 0 and warm["compile_s_total"] == 0.0
@@ -114,6 +119,7 @@ def test_time_to_accuracy_tiny(tmp_path):
     assert all(p["compiled"] == 0 and p["cache_hits"] == 1 for p in warm["step_programs"].values())
     md = (out / "time_to_accuracy.md").read_text()
     assert "| trjax, warm compilation cache | 1 |" in md
+    assert f"| warm | 1 | {runs['warm']['profile']['before_train_and_evaluate_s']:.1f} |" in md
     if HAVE_TORCH:
         assert runs["torch"]["val_top1"] > 0.1  # one epoch of ResNet-8 learns something
         assert r["ratios"]["warm / torch wall"] == runs["warm"]["wall_s"] / runs["torch"]["wall_s"]

@@ -50,6 +50,11 @@ def test_main_job_short(tmp_path, monkeypatch):
     assert s["compiles"] == {"train_step": 1, "fold_bn": 1, "eval_step": 1, "eval_reduce": 1}
     assert s["compiles_during_training"] == 0
     assert s["val_examples"] == 360 and s["skipped_steps"] == 0
+    # where the wall time went: measured parts of the run (no mid-epoch saves here: disjoint)
+    t = s["seconds"]
+    assert set(t) == {"prepare", "setup", "train", "evaluate", "checkpoint"}
+    assert all(v > 0 for v in t.values()) and sum(t.values()) < s["wall_s"]
+    assert t["train"] == pytest.approx(2 * 1437 / s["train_images_per_s"], rel=1e-3)
     # each epoch's train pass in its own order: (seed 0, epoch 1), (seed 0, epoch 2); eval in order
     assert [o for o in orders if o[1]] == [(1437, True, 0, 1), (1437, True, 0, 2)]
     assert {o for o in orders if not o[1]} == {(360, False, 0, 0)}

@@ -99,12 +99,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     """
     t_start = time.perf_counter()
     prepared = prepare(config, data)
+    seconds = {"prepare": time.perf_counter() - t_start}  # where the wall time goes
     cache = compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
     with compilation.CompileLog("startup") as compiles:  # every executable built, by phase
-        return _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start)
+        return _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, seconds)
 
 
-def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
+def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, seconds):
     ckpt_dir = os.path.join(workdir, "checkpoints")
     # the exchange names what its state's layout depends on (e.g. the kernel order)
     expect = {**{k: config[k] for k in checkpoint.COMPATIBLE_FIELDS},
@@ -125,7 +126,9 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     for change in loop_io.save_config(config, workdir, resuming, write=lead):
         say(f"config changed on resume: {change}")
     loop_io.parse_profile_steps(config.profile_steps)  # a bad value: error before compiling
+    t = time.perf_counter()
     tr = setup(config, prepared=prepared)
+    seconds["setup"] = time.perf_counter() - t
     for c in tr.compiled:  # setup's builds of each step's program, filed under its name
         compiles.refile("startup", compilation.step_program(c), c.name)
     ckpt = checkpoint.manager(ckpt_dir, config.keep_checkpoints,  # only once the setup is valid
@@ -271,8 +274,10 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
                 epoch_s = before + time.perf_counter() - t0
                 train_time += time.perf_counter() - t0
                 train_images += int(sums.count)
+                t = time.perf_counter()
                 with compiles.phase("evaluate"):
                     val = evaluate_pass(tr, state, skipped)
+                seconds["evaluate"] = seconds.get("evaluate", 0.0) + time.perf_counter() - t
                 watchdog.beat(step_index)
                 row = {"epoch": epoch, "step": step_index,
                        **{f"train_{k}": v for k, v in sums.rates().items()},
@@ -305,8 +310,10 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
     if stop_signal:
         raise stops.Preempted(int(host_value(state.step)), stop_signal.split()[0])
     if val is None or halted:  # resumed at the very end, or halted before this evaluation
+        t = time.perf_counter()
         with compiles.phase("evaluate"):
             val = evaluate_pass(tr, state, skipped)
+        seconds["evaluate"] = seconds.get("evaluate", 0.0) + time.perf_counter() - t
     loop_phases = ("train", "evaluate", "checkpoint", compilation.BACKGROUND)
     summary = {
         "val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
@@ -334,6 +341,10 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start):
         "checkpoint_blocking_s": round(checkpoint_s[0], 3),
         "memory_plan": plan.describe(),
         "wall_s": time.perf_counter() - t_start,
+        # measured wall seconds: prepare (config, data, model, plan), setup (trace, compile
+        # or load, state init), train (the epochs' steps), evaluate, checkpoint (blocking)
+        "seconds": {k: round(v, 3) for k, v in {**seconds, "train": train_time,
+                                                "checkpoint": checkpoint_s[0]}.items()},
         "first_step_done_at": reader.first_step_done_at,  # Unix time (benchmark --time_to_accuracy)
     }
     if lead:
