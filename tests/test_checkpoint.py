@@ -96,6 +96,14 @@ def test_incompatible_checkpoint_is_a_clear_error_before_compiling(tmp_path, mon
     train_and_evaluate(small_config(num_epochs=1, halt_after_steps=2), str(tmp_path))
     from trjax import aot
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    # WORKDIR/config.json names every key that differs, in one message
+    with pytest.raises(ValueError, match=r"differs from the one the run .* was started with "
+                                         r".*learning_rate: 0.2 -> 0.05, model: 'resnet8' -> "
+                                         r"'resnet20'; resume with the same values"):
+        train_and_evaluate(small_config(num_epochs=1, model="resnet20", learning_rate=0.05),
+                           str(tmp_path))
+    # without config.json (a workdir from before it existed) the checkpoint's own record
+    os.remove(tmp_path / "config.json")
     with pytest.raises(ValueError, match=r"checkpoint .*2 is incompatible with this config: "
                                          r"model: checkpoint 'resnet8' vs config 'resnet20'"):
         train_and_evaluate(small_config(num_epochs=1, model="resnet20"), str(tmp_path))

@@ -79,3 +79,14 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
     assert [(t, s, v) for t, s, v in tensorboard_scalars(str(tmp_path / "tensorboard"))] == \
         [("x", 7, 2.5)]
+
+
+def test_a_num_epochs_change_on_resume_says_the_schedule_changes(tmp_path):
+    from trjax import loop_io
+    loop_io.save_config(small_config(num_epochs=2), str(tmp_path), resuming=False)
+    changes = loop_io.save_config(small_config(num_epochs=3, log_every_steps=7), str(tmp_path),
+                                  resuming=True)
+    assert changes == ["log_every_steps: 50 -> 7",
+                       "num_epochs: 2 -> 3 (the warmup + cosine learning-rate schedule is "
+                       "recomputed over the new total steps: the learning rate changes from "
+                       "the restored step on)"]

@@ -62,6 +62,19 @@ def test_stops_at_every_kind_of_step_resume_to_the_same_rows_and_summary(full, t
     assert _bits(state.params) == _bits(ref_state.params)
 
 
+def test_starting_a_finished_run_again_says_so_and_reports_no_throughput(full, tmp_path, capsys):
+    import shutil
+    ref, ref_state = full
+    work = str(tmp_path / "copy")
+    shutil.copytree(ref, work)
+    state, s = train_and_evaluate(small_config(**CFG), work)
+    assert "the run is complete (step 24 of 24): evaluating its last checkpoint" in \
+        capsys.readouterr().out
+    assert s["train_images_per_s"] is None and s["seconds"]["train"] == 0.0  # no step ran
+    assert _summary(work) == _summary(ref) and _rows(work) == _rows(ref)
+    assert _bits(state.params) == _bits(ref_state.params)
+
+
 def test_step_log_loss_is_what_the_epoch_sums_imply(full):
     ref, _ = full
     steps = read_rows(os.path.join(ref, "steps.jsonl"))

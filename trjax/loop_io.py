@@ -37,6 +37,11 @@ RESUME_MAY_CHANGE = (
 and how it runs and logs, how long, how often it saves; none changes the
 arithmetic of a step or the data order."""
 
+SCHEDULE_NOTE = {"num_epochs": " (the warmup + cosine learning-rate schedule is recomputed over "
+                               "the new total steps: the learning rate changes from the "
+                               "restored step on)"}
+"""What a change of a key in :data:`RESUME_MAY_CHANGE` does to the steps that follow."""
+
 MIN_LOSS_SCALE = 1.0  # trjax.precision.update_loss_scale's floor
 
 
@@ -79,7 +84,7 @@ def save_config(config, workdir: str, resuming: bool, write: bool = True) -> lis
                 f"({path}): " + ", ".join(f"{k}: {x!r} -> {y!r}" for k, (x, y) in bad.items()) +
                 "; resume with the same values, or use another workdir (keys that may change on "
                 f"resume: {', '.join(RESUME_MAY_CHANGE)})")
-        changed = [f"{k}: {x!r} -> {y!r}" for k, (x, y) in diff.items()]
+        changed = [f"{k}: {x!r} -> {y!r}" + SCHEDULE_NOTE.get(k, "") for k, (x, y) in diff.items()]
     if write:
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
@@ -215,9 +220,10 @@ class MetricsReader:
                         f"non-finite steps with the loss scale at its minimum "
                         f"{MIN_LOSS_SCALE:g} (config.max_consecutive_overflows="
                         f"{self.max_overflows}); the run diverged or its input/model overflows "
-                        f"{'float16' if self.fp16 else 'float32'}. Stopped without saving; the "
-                        "last good checkpoint is kept. Lower the learning rate, check the data, "
-                        "or use precision='bf16'/'fp32'")
+                        f"{'float16' if self.fp16 else 'float32'}. Stopped without saving "
+                        "(the checkpoints already in the workdir, if any, are kept). Lower the "
+                        "learning rate or check the data" +
+                        (", or use precision='bf16' or 'fp32'" if self.fp16 else ""))
             if self.log_every and step % self.log_every == 0:
                 self._log_row(step)
 

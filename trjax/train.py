@@ -117,7 +117,8 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
                          "overwrite them and the logs; use a new --workdir, or delete that "
                          "folder to start over")
     resuming = bool(config.resume and has_checkpoints)
-    if resuming:  # incompatible: an error before compiling
+    if resuming:  # incompatible: an error before compiling, naming every key config.json differs in
+        loop_io.save_config(config, workdir, resuming, write=False)
         checkpoint.check_compatible(checkpoint.manager(ckpt_dir, config.keep_checkpoints), expect)
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
@@ -143,7 +144,8 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
         f"bn_mode={config.bn_mode} precision={config.precision}")
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
                                 for b, n in plan.bucket_elements.items()) +
-        f"; compile {sum(c.compile_s for c in tr.compiled):.1f}s")
+        f"; steps built in {sum(c.compile_s for c in tr.compiled):.1f}s (traced, then compiled "
+        "or loaded from the compilation cache)")
     say(f"compilation cache: {compilation.cache_dir() or 'off'} (start-up: "
         f"{sum(not b.compiled for b in compiles.builds)} programs loaded, "
         f"{sum(b.compiled for b in compiles.builds)} compiled)")
@@ -167,8 +169,12 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
         if restored is not None:
             state, meta = restored
             start_epoch, start_batch = int(meta["epoch"]), int(meta["batch"])
-            say(f"resumed from step {int(host_value(state.step))} "
-                f"(epoch {start_epoch}, batch {start_batch})")
+            if start_epoch > config.num_epochs:
+                say(f"the run is complete (step {int(host_value(state.step))} of "
+                    f"{total_steps}): evaluating its last checkpoint")
+            else:
+                say(f"resumed from step {int(host_value(state.step))} "
+                    f"(epoch {start_epoch}, batch {start_batch})")
     restored_step = int(host_value(state.step))
 
     checkpoint_s = [0.0]  # the training thread's time in saves (host copy, waits)
@@ -329,7 +335,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
         "skipped_step_numbers": reader.skipped,
         "skipped_images": len(input_pipeline.skipped_images(data, skipped)),
         "loss_scale": float(host_value(state.loss_scale)),
-        "train_images_per_s": train_images / train_time if train_time else 0.0,
+        "train_images_per_s": train_images / train_time if train_time else None,  # None: no step
         # measured: executables built (compiled by XLA or loaded from the cache)
         "compiles": {c.name: compiles.count(c.name) for c in tr.compiled},
         "compiles_during_training": compiles.count(loop_phases),
