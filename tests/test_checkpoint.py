@@ -85,11 +85,19 @@ def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path, capsys):
     for f in files:  # truncate every file of the newest checkpoint
         with open(f, "r+b") as fh:
             fh.truncate(max(0, os.path.getsize(f) // 3))
-    state, s = train_and_evaluate(small_config(num_epochs=1, halt_after_steps=10), str(tmp_path))
+    truncated = [os.path.getsize(f) for f in files]
+    # the run falls back to step 8 and saves at step 9 again: the unreadable one is moved
+    # aside (kept for inspection), not in the way of the new save
+    state, s = train_and_evaluate(small_config(num_epochs=1, halt_after_steps=9), str(tmp_path))
     out = capsys.readouterr().out
     assert f"checkpoint {newest} is unreadable" in out and "resumed from step 8" in out
-    assert s["steps"] == 10
-    assert newest.exists()  # left in place for inspection
+    assert f"moved the unreadable checkpoint {newest} to {newest}.unreadable" in out
+    assert s["steps"] == 9
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "8", "9", "9.unreadable"]
+    moved = [f.replace(str(newest), str(newest) + ".unreadable") for f in files]
+    assert [os.path.getsize(f) for f in moved] == truncated  # its files as they were
+    _, s = train_and_evaluate(small_config(num_epochs=1, halt_after_steps=10), str(tmp_path))
+    assert "resumed from step 9" in capsys.readouterr().out and s["steps"] == 10
 
 
 def test_incompatible_checkpoint_is_a_clear_error_before_compiling(tmp_path, monkeypatch):

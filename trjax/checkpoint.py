@@ -169,12 +169,13 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
     all_steps = sorted(mngr.all_steps(), reverse=True)
     if not all_steps:
         return None
-    errors = []
+    errors, bad = [], []
 
     def unreadable(path, e):  # report it, keep its files, try the next older one
         errors.append(f"{path}: {type(e).__name__}: {str(e)[:300]}")
+        bad.append(path)
         log(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
-            "left in place, trying an older one")
+            "trying an older one")
 
     for step in all_steps:
         path = os.path.join(str(mngr.directory), str(step))
@@ -193,6 +194,29 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
                 raise ValueError(f"checkpoint {path} does not fit this model/world: {e}") from e
             unreadable(path, e)
             continue
+        _move_aside(mngr, bad, log)
         return flax.serialization.from_state_dict(target, restored), meta
     raise RuntimeError("no readable checkpoint in " + str(mngr.directory) + ":\n  " +
-                       "\n  ".join(errors))
+                       "\n  ".join(errors) + "\nmove them elsewhere (or delete them) to start "
+                       "the run over, or restore a copy")
+
+
+def _move_aside(mngr: ocp.CheckpointManager, paths: list[str], log) -> None:
+    """Renames unreadable checkpoints newer than the restored one to
+    ``<step>.unreadable`` (kept for inspection; orbax no longer lists them), so
+    the resumed run can save at their steps again. Process 0 renames; every
+    process then re-reads the folder."""
+    if not paths:
+        return
+    if jax.process_index() == 0:
+        for path in paths:
+            dest, n = path + ".unreadable", 1
+            while os.path.exists(dest):
+                n += 1
+                dest = f"{path}.unreadable{n}"
+            os.rename(path, dest)
+            log(f"moved the unreadable checkpoint {path} to {dest}")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("trjax: unreadable checkpoints moved aside")
+    mngr.reload()

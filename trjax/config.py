@@ -32,9 +32,25 @@ CHOICES = {
 }
 """Config keys with a fixed set of values."""
 POSITIVE_INTS = ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_lag",
-                 "grad_accumulation_steps", "powersgd_rank", "preemption_check_every_steps")
+                 "grad_accumulation_steps", "powersgd_rank", "preemption_check_every_steps",
+                 "keep_checkpoints", "loss_scale_growth_interval", "image_size",
+                 "distributed.num_processes", "distributed.heartbeat_timeout_s")
 NON_NEGATIVE_INTS = ("compression_start_step", "allreduce_local_size", "checkpoint_every_steps",
-                     "halt_after_steps", "log_every_steps", "max_consecutive_overflows")
+                     "halt_after_steps", "log_every_steps", "max_consecutive_overflows", "seed",
+                     "warmup_epochs")
+INF = float("inf")
+FLOAT_RANGES = {  # key: (low, low included, high, high included); NaN is out of every range
+    "momentum": (0.0, True, 1.0, False), "bn_momentum": (0.0, True, 1.0, False),
+    "weight_decay": (0.0, True, INF, False), "trust_coefficient": (0.0, False, INF, False),
+    "step_timeout_s": (0.0, True, INF, False),  # 0: no watchdog
+}
+"""Numeric config keys and their valid ranges; anything else is an error naming the key."""
+
+
+def _get(c, key: str):
+    for part in key.split("."):
+        c = c[part]
+    return c
 
 
 def _is_int(v) -> bool:
@@ -69,11 +85,22 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
                          "'two', 'tail_minimal', 'size:<MB>' (a positive number, e.g. 'size:25'), "
                          "'per_leaf'")
     for key in POSITIVE_INTS:
-        if not _is_int(c[key]) or c[key] < 1:
-            raise ValueError(f"config.{key}={c[key]!r} must be a positive int")
+        if not _is_int(_get(c, key)) or _get(c, key) < 1:
+            raise ValueError(f"config.{key}={_get(c, key)!r} must be a positive int")
     for key in NON_NEGATIVE_INTS:
-        if not _is_int(c[key]) or c[key] < 0:
-            raise ValueError(f"config.{key}={c[key]!r} must be an int >= 0")
+        if not _is_int(_get(c, key)) or _get(c, key) < 0:
+            raise ValueError(f"config.{key}={_get(c, key)!r} must be an int >= 0")
+    for key, (low, low_in, high, high_in) in FLOAT_RANGES.items():
+        v = c[key]
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (
+            low <= v if low_in else low < v) and (v <= high if high_in else v < high)
+        if not ok:
+            raise ValueError(f"config.{key}={v!r} must be in {'[' if low_in else '('}{low:g}, "
+                             f"{high:g}{']' if high_in else ')'}")
+    if c.data_dir and c.dataset == "digits":
+        raise ValueError(f"config.data_dir={c.data_dir!r} is set but dataset='digits' is built "
+                         "in and reads no folder; choose the dataset that folder holds "
+                         f"(one of {list(input_pipeline.DATASETS)}) or leave data_dir empty")
     from trjax.loop_io import parse_profile_steps
     parse_profile_steps(c.profile_steps)
     if not c.learning_rate > 0:

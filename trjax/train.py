@@ -119,7 +119,13 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
     resuming = bool(config.resume and has_checkpoints)
     if resuming:  # incompatible: an error before compiling, naming every key config.json differs in
         loop_io.save_config(config, workdir, resuming, write=False)
-        checkpoint.check_compatible(checkpoint.manager(ckpt_dir, config.keep_checkpoints), expect)
+        mngr = checkpoint.manager(ckpt_dir, config.keep_checkpoints)
+        checkpoint.check_compatible(mngr, expect)
+        newest, total = max(mngr.all_steps(), default=0), prepared.steps_per_epoch * config.num_epochs
+        if newest > total:
+            raise ValueError(f"config.num_epochs={config.num_epochs} ends at step {total}, but "
+                             f"the run in {workdir} is at step {newest} already; resume with "
+                             "num_epochs at least its own, or use another workdir")
     lead = jax.process_index() == 0
     say = print if lead else (lambda *a, **k: None)
     os.makedirs(workdir, exist_ok=True)
@@ -221,7 +227,13 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
     skipped: set = set()  # undecodable files skipped (config.skip_bad_images)
     train_time, train_images = 0.0, 0
     show_bar = lead and config.progress and sys.stderr.isatty()
-    halted, stop_signal, val = False, None, None
+    # a drill stop already reached (the same halt_after_steps again): nothing to train
+    halted = bool(config.halt_after_steps and restored_step >= config.halt_after_steps)
+    if halted:
+        say(f"already at step {restored_step} >= config.halt_after_steps="
+            f"{config.halt_after_steps}: no step to run")
+        start_epoch = config.num_epochs + 1
+    stop_signal, val = None, None
     watchdog = distributed.StepWatchdog(config.step_timeout_s, exit_code=stops.EXIT_PEER_LOST)
     profiler = loop_io.Profiler(config.profile_steps, workdir, log=say)
     # an epoch's row is written BEFORE the checkpoint that covers it; on resume
