@@ -52,6 +52,12 @@ def test_stops_at_every_kind_of_step_resume_to_the_same_rows_and_summary(full, t
     for halt in (7, 12, 17, 24):
         _, s = train_and_evaluate(small_config(halt_after_steps=halt, **CFG), work)
         assert s["halted"] and s["steps"] == halt
+        if halt == 7:  # the same drill stop again: nothing to train, not one step further
+            _, s = train_and_evaluate(small_config(halt_after_steps=halt, **CFG), work)
+            assert s["halted"] and s["steps"] == 7
+    with pytest.raises(ValueError, match=r"config.num_epochs=1 ends at step 12, but the run in "
+                                         r".* is at step 24 already"):
+        train_and_evaluate(small_config(**{**CFG, "num_epochs": 1}), work)
     state, _ = train_and_evaluate(small_config(**CFG), work)
     state, _ = train_and_evaluate(small_config(**CFG), work)  # after the last epoch: nothing new
     ref_rows = _rows(ref)

@@ -136,14 +136,32 @@ def test_comm_report_default_config():
     ("allreduce", "butterfly", "config.allreduce='butterfly' is not one of"),
     ("topk_ratio", 0.0, "config.topk_ratio=0.0 must be in (0, 1]"),
     ("compression_min_fraction", 1.5, "config.compression_min_fraction=1.5 must be in [0, 1]"),
+    ("momentum", 1.0, "config.momentum=1.0 must be in [0, 1)"),
+    ("bn_momentum", float("nan"), "config.bn_momentum=nan must be in [0, 1)"),
+    ("weight_decay", -1e-4, "config.weight_decay=-0.0001 must be in [0, inf)"),
+    ("trust_coefficient", 0.0, "config.trust_coefficient=0.0 must be in (0, inf)"),
+    ("keep_checkpoints", 0, "config.keep_checkpoints=0 must be a positive int"),
+    ("seed", -1, "config.seed=-1 must be an int >= 0"),
+    ("data_dir", "/data/x", "config.data_dir='/data/x' is set but dataset='digits' is built in"),
+    ("global_batch_size", 2048, None),  # with train_remainder='drop': below
 ])
 def test_bad_config_fails_before_compiling(field, value, needle, monkeypatch):
     called = []
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: called.append(1))
+    extra = {}
+    if needle is None:  # 1,437 digits: no full global batch of 2,048 to keep
+        extra, needle = {"train_remainder": "drop"}, (
+            "config.train_remainder='drop' leaves no step: 1437 training examples < global "
+            "batch 2048; use train_remainder='pad' or a global_batch_size of at most 1437")
     with pytest.raises(ValueError) as e:
-        setup(small_config(**{field: value}))
+        setup(small_config(**{field: value}, **extra))
     assert needle in str(e.value)
     assert not called
+    if field == "global_batch_size":  # a compression that would start after the last step
+        with pytest.raises(ValueError, match=r"compression_start_step=24 is past the run's last "
+                                             r"step \(24\): compression='bf16' would never"):
+            setup(small_config(compression="bf16", compression_start_step=24))
+        assert not called
 
 
 def test_config_combinations_are_checked_in_one_place():
