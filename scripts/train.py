@@ -52,7 +52,7 @@ def main(argv):
     from trjax.train import train_and_evaluate
     try:
         _, summary = train_and_evaluate(config, flags.FLAGS.workdir)
-    except (ValueError, FileNotFoundError, workdir_lib.WorkdirBusy) as e:
+    except (ValueError, FileNotFoundError, workdir_lib.WorkdirError) as e:
         sys.exit(f"error: {e}")  # bad input or a busy workdir: the message says what to do
     except stops.Preempted as e:  # checkpoint saved, logs flushed: restart to resume
         print(f"trjax: {e}", file=sys.stderr, flush=True)

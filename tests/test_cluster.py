@@ -176,3 +176,28 @@ def test_lock_of_another_host_or_a_recycled_pid(tmp_path):
     with WorkdirLock(str(fresh)):
         assert fresh.is_dir()
     assert not fresh.exists()
+
+
+@pytest.mark.parametrize("content", ["", "garbage{{", "[1, 2]", '{"host": "h", "pid": "abc"}',
+                                     "a folder"])
+def test_a_lock_trjax_did_not_write_is_named_not_misread(tmp_path, content):
+    path = tmp_path / LOCK_NAME
+    if content == "a folder":
+        path.mkdir()
+    else:
+        path.write_text(content)
+    with pytest.raises(WorkdirBusy, match=r"trjax.lock is not a lock trjax can read .*if no run "
+                                          r"uses this workdir, delete it"):
+        WorkdirLock(str(tmp_path)).acquire()
+    assert path.exists()  # nothing removed: the user decides
+
+
+def test_a_workdir_that_cannot_be_a_folder_is_a_clear_error(tmp_path):
+    from trjax.workdir import WorkdirError
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for bad in (afile, afile / "sub"):
+        with pytest.raises(WorkdirError, match=rf"workdir '{bad}' cannot be used: .*pass a "
+                                               r"writable folder as --workdir"):
+            WorkdirLock(str(bad)).acquire()
+    assert afile.read_text() == "x"

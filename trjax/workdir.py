@@ -26,8 +26,23 @@ import jax
 LOCK_NAME = "trjax.lock"
 
 
-class WorkdirBusy(RuntimeError):
+class WorkdirError(RuntimeError):
+    """The workdir cannot be used: not a folder, not writable, or busy."""
+
+
+class WorkdirBusy(WorkdirError):
     """Another live run writes into this workdir."""
+
+
+def _read_lock(path: str) -> dict | None:
+    """The lock's record, or None when it is not one trjax wrote (or not yet)."""
+    try:
+        with open(path) as f:
+            other = json.load(f)
+        int(other.get("pid") or 0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return other if isinstance(other, dict) else None
 
 
 def _start_time(pid: int) -> str | None:
@@ -52,6 +67,11 @@ def _alive(pid: int, start: str | None) -> bool:
         pass  # someone else's process: alive
     now = _start_time(pid)
     return start is None or now is None or now == start  # a recycled pid is another process
+
+
+def _unusable(workdir: str, e: OSError) -> WorkdirError:
+    return WorkdirError(f"workdir {workdir!r} cannot be used: {e.strerror} ({e.filename}); pass "
+                        "a writable folder as --workdir")
 
 
 class WorkdirLock:
@@ -80,26 +100,27 @@ class WorkdirLock:
 
         Raises:
           WorkdirBusy: another live run holds the workdir (names its host,
-            pid and start, and what to do).
+            pid and start, and what to do), or its lock file is not one trjax
+            can read.
+          WorkdirError: the workdir cannot be created or written.
         """
         self.created = not os.path.isdir(self.workdir)
-        os.makedirs(self.workdir, exist_ok=True)
+        try:
+            os.makedirs(self.workdir, exist_ok=True)
+        except OSError as e:  # a file where the folder should be, no permission, ...
+            raise _unusable(self.workdir, e) from e
         me = self._mine()
         for _ in range(3):
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
-                try:
-                    with open(self.path) as f:
-                        other = json.load(f)
-                except (OSError, ValueError):
-                    other = {}
-                if not other:  # being written this instant, or unreadable
+                other = _read_lock(self.path)
+                if other is None:  # being written this instant, or not a lock trjax wrote
                     time.sleep(0.2)
-                    if os.path.exists(self.path) and os.path.getsize(self.path) == 0:
-                        raise WorkdirBusy(f"workdir {self.workdir!r}: the lock {self.path} is "
-                                           "empty or unreadable; if no run uses this workdir, "
-                                           "delete the file")
+                    if _read_lock(self.path) is None and os.path.lexists(self.path):
+                        raise WorkdirBusy(f"workdir {self.workdir!r}: {self.path} is not a lock "
+                                           "trjax can read (empty, a folder or other content); "
+                                           "if no run uses this workdir, delete it")
                     continue
                 if other.get("host") == me["host"] and other.get("pid") == me["pid"]:
                     self.held = True  # this process already holds it
@@ -123,6 +144,8 @@ class WorkdirLock:
                 except FileNotFoundError:
                     pass
                 continue
+            except OSError as e:  # no permission, a read-only file system, ...
+                raise _unusable(self.workdir, e) from e
             with os.fdopen(fd, "w") as f:
                 json.dump(me, f)
             self.held = True
