@@ -12,7 +12,7 @@ is refused.
 Exit codes (``trjax.stops``): 0 done; 1 bad input, an incompatible checkpoint or
 config, a busy workdir; 3 a peer process died or hangs; 4 non-finite steps
 (``halt_on_nonfinite``, ``max_consecutive_overflows``); 143 stopped by SIGTERM or
-SIGUSR1 after saving a checkpoint (start again to resume).
+SIGUSR1 after saving a checkpoint (start again to resume); 130 the same after Ctrl-C.
 """
 
 import os
@@ -56,7 +56,7 @@ def main(argv):
         sys.exit(f"error: {e}")  # bad input or a busy workdir: the message says what to do
     except stops.Preempted as e:  # checkpoint saved, logs flushed: restart to resume
         print(f"trjax: {e}", file=sys.stderr, flush=True)
-        sys.exit(stops.EXIT_PREEMPTED)
+        sys.exit(stops.EXIT_INTERRUPTED if e.signal_name == "SIGINT" else stops.EXIT_PREEMPTED)
     except FloatingPointError as e:  # halt_on_nonfinite / max_consecutive_overflows
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(stops.EXIT_NONFINITE)

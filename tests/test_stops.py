@@ -244,3 +244,16 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     assert f"stopped by SIGTERM after step {stopped}" in out1
     assert "SIGTERM (on another process)" in text0
     assert sorted(os.listdir(tmp_path / "checkpoints")) == [str(stopped)]
+
+
+def test_ctrl_c_is_a_stop_request_and_a_second_one_is_not_swallowed(capsys):
+    """SIGINT while the loop runs sets the stop flag (the loop then saves and exits 130)
+    instead of raising KeyboardInterrupt mid-step; outside the loop Python's handler is back."""
+    before = signal.getsignal(signal.SIGINT)
+    with stops.StopSignals() as signals:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert signals.should_stop(1) == "SIGINT"
+        assert signal.getsignal(signal.SIGINT) == signals._handler
+    assert "Ctrl-C: stopping after this step with a checkpoint" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is before
+    assert stops.EXIT_INTERRUPTED == 130 and "SIGINT" in stops.SIGNALS

@@ -6,9 +6,11 @@
   for ``config.step_timeout_s``: a peer process died or hangs),
   :data:`EXIT_NONFINITE` (``halt_on_nonfinite`` or
   ``max_consecutive_overflows``), :data:`EXIT_PREEMPTED` (SIGTERM/SIGUSR1:
-  the run saved a checkpoint and can be restarted to resume).
-* :class:`StopSignals` -- SIGTERM (SLURM, Kubernetes, cloud preemption) and
-  SIGUSR1 (SLURM ``--signal``) set a flag instead of killing the process; the
+  the run saved a checkpoint and can be restarted to resume), :data:`EXIT_INTERRUPTED`
+  (the same after Ctrl-C).
+* :class:`StopSignals` -- SIGTERM (SLURM, Kubernetes, cloud preemption),
+  SIGUSR1 (SLURM ``--signal``) and SIGINT (Ctrl-C) set a flag instead of
+  killing the process; the
   loop finishes the step in flight, agrees on the stop step with every other
   process (:meth:`StopSignals.should_stop`), saves a checkpoint there, flushes
   its logs and raises :class:`Preempted`.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 
 import jax
@@ -27,7 +30,8 @@ EXIT_ERROR = 1
 EXIT_PEER_LOST = 3
 EXIT_NONFINITE = 4
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a scheduler sees for a job its SIGTERM ended
-SIGNALS = ("SIGTERM", "SIGUSR1")
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C, after the checkpoint is saved
+SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 
 
 class Preempted(Exception):
@@ -47,7 +51,7 @@ class Preempted(Exception):
 
 
 class StopSignals:
-    """Turns SIGTERM/SIGUSR1 into a flag while installed (a context manager).
+    """Turns SIGTERM/SIGUSR1/SIGINT into a flag while installed (a context manager).
 
     A second signal while the first is being handled ends the process at
     once (the signal's default action), as schedulers' "kill now" expects.
@@ -77,7 +81,11 @@ class StopSignals:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        self.request(signal.Signals(signum).name)
+        name = signal.Signals(signum).name
+        if name == "SIGINT":
+            print("trjax: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again "
+                  "stops at once, without one)", file=sys.stderr, flush=True)
+        self.request(name)
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
