@@ -66,3 +66,23 @@ def test_plot_skips_the_cut_off_line(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "metrics.jsonl:3: skipped" in out.stderr
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_step_log_images_per_s_after_a_resume_counts_this_process_images_only(monkeypatch):
+    """A resumed log window holds images trained before the restart (its loss and top-1 stay
+    exact); its throughput divides only the images trained since by the time since."""
+    from trjax import loop_io
+    from trjax.metrics import StepMetrics
+    clock = iter([100.0, 102.0, 106.0])  # reader made; step 4 logged; step 6 logged
+    monkeypatch.setattr(loop_io.time, "perf_counter", lambda: next(clock))
+    rows = []
+    reader = loop_io.MetricsReader(0, False, False, log_every=2, on_log_row=rows.append,
+                                   lr_of_step=lambda t: 0.1, steps_per_epoch=10)
+    reader.restore({"log_window_sums": [30.0, 20.0, 25.0, 30.0, 1.0]})  # step 3: 30 images
+    reader.push(4, StepMetrics(10.0, 8.0, 9.0, 10.0, 1.0))
+    reader.push(5, StepMetrics(10.0, 8.0, 9.0, 10.0, 1.0))
+    reader.push(6, StepMetrics(10.0, 8.0, 9.0, 10.0, 1.0))
+    assert [r["step"] for r in rows] == [4, 6]
+    assert rows[0]["examples"] == 40 and rows[0]["loss"] == 40 / 40  # the whole window's rates
+    assert rows[0]["images_per_s"] == 10 / 2.0  # step 4's 10 images in 2 s, not 40
+    assert rows[1]["images_per_s"] == 20 / 4.0

@@ -166,6 +166,7 @@ class MetricsReader:
         self.sums = StepMetrics.zeros()
         self.window = StepMetrics.zeros()
         self.window_t0 = time.perf_counter()
+        self._window_restored = 0.0  # images of the window trained before a restart
         self.skipped: list[int] = []
         self.max_overflows = max_overflows
         self.scale = float(loss_scale) if fp16 else MIN_LOSS_SCALE
@@ -233,10 +234,12 @@ class MetricsReader:
         row = {"step": step,
                "epoch": (step - 1) // self.steps_per_epoch + 1 if self.steps_per_epoch else None,
                "loss": w.rates()["loss"], "top1": w.rates()["top1"],
-               "images_per_s": w.count / max(now - self.window_t0, 1e-9),
+               # images this process trained in the window (a resumed window's earlier
+               # images were trained before the restart, outside the time measured here)
+               "images_per_s": (w.count - self._window_restored) / max(now - self.window_t0, 1e-9),
                "lr": float(self.lr_of_step(step)), "loss_scale": self.scale,
                "skipped_steps": self.skipped_total, "examples": w.count}
-        self.window, self.window_t0 = StepMetrics.zeros(), now
+        self.window, self.window_t0, self._window_restored = StepMetrics.zeros(), now, 0.0
         if self.on_log_row is not None:
             self.on_log_row(row)
 
@@ -259,6 +262,7 @@ class MetricsReader:
             self.sums = StepMetrics(*meta["train_sums"])
         if meta.get("log_window_sums"):
             self.window = StepMetrics(*meta["log_window_sums"])
+            self._window_restored = float(self.window.count)
         self.skipped = list(meta.get("skipped_step_numbers", []))
 
 
