@@ -201,3 +201,16 @@ def test_a_workdir_that_cannot_be_a_folder_is_a_clear_error(tmp_path):
                                                r"writable folder as --workdir"):
             WorkdirLock(str(bad)).acquire()
     assert afile.read_text() == "x"
+
+
+def test_an_unwritable_checkpoint_folder_is_refused_before_training(tmp_path, monkeypatch):
+    from helpers import small_config
+    from trjax import aot
+    from trjax.train import train_and_evaluate
+    from trjax.workdir import WorkdirError, check_writable
+    check_writable(str(tmp_path / "new" / "checkpoints"))  # made, probed, left empty
+    assert os.listdir(tmp_path / "new" / "checkpoints") == []
+    (tmp_path / "checkpoints").write_text("a file where the folder goes")
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(WorkdirError, match=r"cannot write in .*checkpoints'.*make it writable"):
+        train_and_evaluate(small_config(), str(tmp_path))

@@ -33,7 +33,7 @@ from trjax.loop_io import MetricsReader  # noqa: F401  (its home before loop_io)
 # the trainer's pieces, also reached as trjax.train.<name> (the loop calls evaluate_pass
 # through this module, so a test may wrap it here)
 from trjax.trainer import Trainer, evaluate_pass, prepare, setup  # noqa: F401
-from trjax.workdir import holds_workdir
+from trjax.workdir import check_writable, holds_workdir
 from trjax.world import host_value
 
 
@@ -117,6 +117,8 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
                          "overwrite them and the logs; use a new --workdir, or delete that "
                          "folder to start over")
     resuming = bool(config.resume and has_checkpoints)
+    if jax.process_index() == 0:
+        check_writable(ckpt_dir)  # before compiling, not at the first save
     if resuming:  # incompatible: an error before compiling, naming every key config.json differs in
         loop_io.save_config(config, workdir, resuming, write=False)
         mngr = checkpoint.manager(ckpt_dir, config.keep_checkpoints)

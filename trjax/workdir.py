@@ -74,6 +74,25 @@ def _unusable(workdir: str, e: OSError) -> WorkdirError:
                         "a writable folder as --workdir")
 
 
+def check_writable(folder: str) -> None:
+    """Creates ``folder`` if needed and writes and removes a probe file in it.
+
+    Raises:
+      WorkdirError: naming the folder and the OS error (a read-only or
+        immutable folder would otherwise fail only at the first checkpoint,
+        after an epoch of training, inside orbax's background writer).
+    """
+    probe = os.path.join(folder, f".trjax-write-probe-{os.getpid()}")
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        raise WorkdirError(f"cannot write in {folder!r}: {e.strerror} ({e.filename}); make it "
+                           "writable or pass another --workdir") from e
+
+
 class WorkdirLock:
     """One writer per workdir: ``WORKDIR/trjax.lock`` holds the host, pid and
     start time of the run that writes there.
