@@ -206,3 +206,16 @@ def test_a_fresh_run_into_a_workdir_with_checkpoints_is_refused(tmp_path, monkey
     assert os.listdir(tmp_path / "checkpoints") == ["12"]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"epoch": 1, "step": 12}\n'
     assert sorted(os.listdir(tmp_path)) == ["checkpoints", "metrics.jsonl"]
+
+
+def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
+    """local BN rows, compression error feedback and ZeRO-1 shards are one per device: a
+    resume on another device count is an error naming the world sizes, before compiling."""
+    train_and_evaluate(small_config(bn_mode="local", num_epochs=1, halt_after_steps=1),
+                       str(tmp_path))
+    from trjax import aot
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(ValueError, match=r"incompatible with this config: world_size: "
+                                         r"checkpoint 8 vs config 4"):
+        train_and_evaluate(small_config(bn_mode="local", num_epochs=1, devices="4"),
+                           str(tmp_path))

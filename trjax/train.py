@@ -110,6 +110,9 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
     # the exchange names what its state's layout depends on (e.g. the kernel order)
     expect = {**{k: config[k] for k in checkpoint.COMPATIBLE_FIELDS},
               **prepared.exchange.checkpoint_keys}
+    if config.bn_mode == "local" or config.compression != "none" or \
+            config.shard_optimizer_state:  # per-device rows: BN statistics, error feedback,
+        expect["world_size"] = prepared.world.world_size  # ZeRO-1 shards
     has_checkpoints = bool(os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir))
     if has_checkpoints and not config.resume:  # step 0 again would overwrite them and the logs
         raise ValueError(f"config.resume=False but {ckpt_dir} holds checkpoints "
