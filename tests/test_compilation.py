@@ -89,6 +89,21 @@ def test_configure_cache_rejects_bad_values():
         compilation.configure_cache(True, 3)
 
 
+def test_a_cache_folder_that_cannot_be_made_is_named_or_turned_off(tmp_path, monkeypatch,
+                                                                   restore_jax_cache):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match=r"config.compilation_cache_dir='.*afile/xla' cannot "
+                                         r"be used: .*pass a writable folder"):
+        compilation.configure_cache(True, str(afile / "xla"))
+    # the default under a home directory where it cannot be made: a warning, no cache
+    jax.config.update("jax_compilation_cache_dir", None)
+    monkeypatch.setattr(compilation, "default_cache_dir", lambda: str(afile / "trjax" / "xla"))
+    with pytest.warns(UserWarning, match="compilation cache off: .*afile/trjax/xla cannot be used"):
+        assert compilation.configure_cache(True, "") == {"dir": None, "source": "off"}
+    assert compilation.cache_dir() is None
+
+
 def _train_script(workdir, cache_dir):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("XLA_FLAGS", None)

@@ -35,6 +35,7 @@ import dataclasses
 import os
 import re
 import threading
+import warnings
 
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
@@ -79,7 +80,9 @@ def configure_cache(enabled: bool = True, directory: str = "") -> dict:
       ``{"dir": path or None, "source": "config" | "jax" | "default" | "off"}``.
 
     Raises:
-      ValueError: ``enabled`` is not a bool, or ``directory`` is not a string.
+      ValueError: ``enabled`` is not a bool, ``directory`` is not a string or
+        cannot be created or written. The default directory failing that
+        turns the cache off with a warning instead.
     """
     if not isinstance(enabled, bool):
         raise ValueError(f"config.compilation_cache={enabled!r} must be True or False")
@@ -99,7 +102,20 @@ def configure_cache(enabled: bool = True, directory: str = "") -> dict:
     else:
         path, source = default_cache_dir(), "default"
     if source != "jax":
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+            if not os.access(path, os.W_OK):
+                raise PermissionError(13, "not writable", path)
+        except OSError as e:
+            if source == "config":
+                raise ValueError(f"config.compilation_cache_dir={directory!r} cannot be used: "
+                                 f"{e.strerror} ({e.filename}); pass a writable folder, or '' "
+                                 "for the default") from e
+            # a read-only home directory (some clusters): run without the cache
+            warnings.warn(f"trjax: compilation cache off: {path} cannot be used ({e.strerror}); "
+                          "set config.compilation_cache_dir to a writable folder to keep "
+                          "compiled programs between runs")
+            return configure_cache(False)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     if path != current or not jax.config.jax_enable_compilation_cache:
         jax.config.update("jax_enable_compilation_cache", True)
