@@ -37,6 +37,15 @@ def setup(world_spec="all", global_batch=32, bn_mode="sync", lr=0.1, opt="sgd", 
     return world, model, plan, tx, state
 
 
+def skip_train_step_compile(monkeypatch):
+    """For tests of the evaluation programs only: ``trjax.train.setup`` then builds the
+    state, ``fold_bn``, ``eval_step`` and ``eval_reduce`` as always, but its train step is
+    the identity ``state -> state`` (compiled in milliseconds instead of seconds; calling
+    it trains nothing)."""
+    from trjax import steps
+    monkeypatch.setattr(steps, "make_train_step", lambda *a, **k: lambda state, batch: state)
+
+
 def random_batch(n, seed=0, num_classes=10):
     rng = np.random.default_rng(seed)
     return {"image": rng.normal(size=(n,) + IMAGE_SHAPE).astype(np.float32),
