@@ -24,3 +24,16 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # nanodo's rail: an implicit rank promotion (adding [n] to [m, n] by accident) is an error.
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_time_to_accuracy(tmp_path_factory):
+    """One tiny ``--time_to_accuracy`` run (helpers.run_tiny_time_to_accuracy) for the
+    session: test_benchmark checks its figures, test_compilation its cold and warm
+    processes' compile counts. ``(out folder, completed process, variants)``."""
+    from helpers import run_tiny_time_to_accuracy
+    out = tmp_path_factory.mktemp("tta")
+    proc, variants = run_tiny_time_to_accuracy(out)
+    return out, proc, variants

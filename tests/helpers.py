@@ -37,6 +37,15 @@ def setup(world_spec="all", global_batch=32, bn_mode="sync", lr=0.1, opt="sgd", 
     return world, model, plan, tx, state
 
 
+def skip_train_step_compile(monkeypatch):
+    """For tests of the evaluation programs only: ``trjax.train.setup`` then builds the
+    state, ``fold_bn``, ``eval_step`` and ``eval_reduce`` as always, but its train step is
+    the identity ``state -> state`` (compiled in milliseconds instead of seconds; calling
+    it trains nothing)."""
+    from trjax import steps
+    monkeypatch.setattr(steps, "make_train_step", lambda *a, **k: lambda state, batch: state)
+
+
 def random_batch(n, seed=0, num_classes=10):
     rng = np.random.default_rng(seed)
     return {"image": rng.normal(size=(n,) + IMAGE_SHAPE).astype(np.float32),
@@ -136,3 +145,26 @@ def tensorboard_scalars(folder):
             pos += 12 + n + 4
             out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
     return out
+
+
+def run_tiny_time_to_accuracy(out):
+    """``scripts/benchmark.py --time_to_accuracy`` with a tiny job (ResNet-8, 1 epoch, 2
+    devices, global batch 64) into the folder ``out``: a cold run of ``scripts/train.py`` on
+    a fresh ``--config.compilation_cache_dir`` (``out/tta_runs/cache_warm``), then a warm run
+    on the cache it filled (and the torch twin when torch is importable). Returns
+    ``(completed process, variants)``; the runs' workdirs are ``out/tta_runs/r1_<variant>``.
+    """
+    import importlib.util
+    import subprocess
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    variants = "cold,warm,torch" if importlib.util.find_spec("torch") is not None else "cold,warm"
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # conftest's forced device count: the script sets its own
+    env["JAX_PLATFORMS"] = "cpu"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "scripts", "benchmark.py"), "--time_to_accuracy",
+         "--model", "resnet8", "--epochs", "1", "--global_batch", "64", "--tta_variants",
+         variants, "--out", str(out),
+         "--train_flags", "--config.cpu_devices=2 --config.eval_batch_size=64"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    return proc, variants

@@ -49,10 +49,11 @@ def test_gpu_dry_run_and_tiny_cpu_mode(tmp_path):
         [sys.executable, SCRIPT, "--gpu", "--dry_run", "--model", "resnet8", "--out", str(gpu_out)],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cpu = subprocess.Popen(
-        # two world sizes: one child process each, with exactly N simulated devices
+        # two world sizes: one child process each, with exactly N simulated devices; the
+        # compile without donation is the GPU dry run's to check (the same JaxVariant code)
         [sys.executable, SCRIPT, "--model", "resnet8", "--image", "8,8,1", "--global_batch", "16",
          "--world_sizes", "1,2", "--warmup", "1", "--steps", "2", "--rounds", "1",
-         "--variants", "two,per_leaf", "--out", str(cpu_out)],
+         "--variants", "two,per_leaf", "--no_memory_compare", "--out", str(cpu_out)],
         cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     gpu_log, _ = gpu.communicate(timeout=300)
     cpu_log, _ = cpu.communicate(timeout=300)
@@ -85,23 +86,19 @@ def test_gpu_dry_run_and_tiny_cpu_mode(tmp_path):
     assert "two-bucket / per-leaf at world 2" in cpu_log
 
 
-def test_time_to_accuracy_tiny(tmp_path):
+def test_time_to_accuracy_tiny(tiny_time_to_accuracy):
     """--time_to_accuracy with a tiny job (ResNet-8, 1 epoch, 2 devices): every run's
     figures in the JSON agree with its own summary.json, the warm run loads every
-    program the cold run compiled, and the ratios are the medians' quotients."""
-    out = tmp_path / "tta"
-    variants = "cold,warm,torch" if HAVE_TORCH else "cold,warm"
-    proc = subprocess.run(
-        [sys.executable, SCRIPT, "--time_to_accuracy", "--model", "resnet8", "--epochs", "1",
-         "--global_batch", "64", "--tta_variants", variants, "--out", str(out),
-         "--train_flags", "--config.cpu_devices=2 --config.eval_batch_size=64"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=600)
+    program the cold run compiled, and the ratios are the medians' quotients. (The run is
+    the session's, shared with test_compilation, which checks the same two processes'
+    compile counts.)"""
+    out, proc, variants = tiny_time_to_accuracy
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads((out / "time_to_accuracy.json").read_text())
     runs = {x["variant"]: x for x in r["runs"]}
     assert [x["variant"] for x in r["runs"]] == variants.split(",")
     for v, x in runs.items():
-        s = json.loads((tmp_path / "tta" / "tta_runs" / f"r1_{v}" / "summary.json").read_text())
+        s = json.loads((out / "tta_runs" / f"r1_{v}" / "summary.json").read_text())
         assert x["val_top1"] == s["val_top1"] and 0.0 <= x["val_top1"] <= 1.0
         assert 0 < x["first_step_s"] < x["wall_s"]
         if v != "torch":

@@ -2,8 +2,6 @@
 import functools
 import json
 import os
-import subprocess
-import sys
 import threading
 
 import jax
@@ -15,8 +13,6 @@ from jax.experimental.compilation_cache import compilation_cache as jax_cache
 from helpers import small_config
 from trjax import aot, compilation, input_pipeline
 from trjax.train import train_and_evaluate
-
-ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 @pytest.fixture
@@ -104,22 +100,17 @@ def test_a_cache_folder_that_cannot_be_made_is_named_or_turned_off(tmp_path, mon
     assert compilation.cache_dir() is None
 
 
-def _train_script(workdir, cache_dir):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop("XLA_FLAGS", None)
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-           "--config", os.path.join(ROOT, "configs", "default.py"), "--workdir", str(workdir),
-           "--config.model=resnet8", "--config.num_epochs=1", "--config.cpu_devices=2",
-           "--config.progress=False", f"--config.compilation_cache_dir={cache_dir}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    return json.loads((workdir / "summary.json").read_text())
-
-
-def test_second_process_with_the_same_cache_compiles_nothing(tmp_path):
-    cache = tmp_path / "xla"
-    cold = _train_script(tmp_path / "cold", cache)
-    warm = _train_script(tmp_path / "warm", cache)
+def test_second_process_with_the_same_cache_compiles_nothing(tiny_time_to_accuracy):
+    """scripts/train.py twice on one --config.compilation_cache_dir: the first process
+    (a fresh cache) compiles, the second loads everything. The two processes are the
+    cold and warm runs of the session's tiny --time_to_accuracy (conftest), which
+    launches exactly that pair (ResNet-8, 1 epoch, 2 devices)."""
+    out, proc, _ = tiny_time_to_accuracy
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = out / "tta_runs"
+    cache = runs / "cache_warm"
+    cold, warm = (json.loads((runs / f"r1_{v}" / "summary.json").read_text())
+                  for v in ("cold", "warm"))
     step_names = ("train_step", "fold_bn", "eval_step", "eval_reduce")
     for s in (cold, warm):
         assert s["compilation_cache"]["dir"] == str(cache)

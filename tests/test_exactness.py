@@ -4,7 +4,8 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import assert_within_reorder_rounding, max_rel, random_batch, setup, small_config, to_host
+from helpers import (assert_within_reorder_rounding, max_rel, random_batch, setup,
+                     skip_train_step_compile, small_config, to_host)
 from trjax import input_pipeline as ip
 from trjax import aot, exchange, optim, steps
 from trjax.precision import update_loss_scale
@@ -19,7 +20,8 @@ def _digits_subset(n_train, n_val):
                       mean=d.mean, std=d.std)
 
 
-def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4():
+def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4(monkeypatch):
+    skip_train_step_compile(monkeypatch)  # evaluation only
     data = _digits_subset(8, 10)
     fractions = {}
     for n in (1, 2, 4):
