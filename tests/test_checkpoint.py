@@ -211,12 +211,27 @@ def test_a_fresh_run_into_a_workdir_with_checkpoints_is_refused(tmp_path, monkey
 
 def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
     """local BN rows, compression error feedback and ZeRO-1 shards are one per device: a
-    resume on another device count is an error naming the world sizes, before compiling."""
-    train_and_evaluate(small_config(bn_mode="local", num_epochs=1, halt_after_steps=1),
-                       str(tmp_path))
+    resume on another device count is an error naming the world sizes, before compiling.
+    The checkpoint is one the 8-device run would write (its meta: the config's fields, the
+    exchange's keys, world_size 8) around a stand-in state: only the meta is read."""
     from trjax import aot
+    from trjax.state import TrainState
+    from trjax.train import prepare
+    cfg = small_config(bn_mode="local", num_epochs=1)
+    meta = {**{k: cfg[k] for k in checkpoint.COMPATIBLE_FIELDS},
+            **prepare(cfg).exchange.checkpoint_keys, "world_size": 8, "epoch": 1, "batch": 1}
+    one = np.ones((), np.int32)
+    stand_in = TrainState(step=one, params={"w": np.ones(3, np.float32)}, batch_stats={},
+                          opt_state={}, skipped_steps=one, loss_scale=np.float32(1),
+                          good_steps=one)
+    mngr = checkpoint.manager(str(tmp_path / "checkpoints"))
+    checkpoint.save(mngr, stand_in, meta)
+    checkpoint.finish(mngr)
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
     with pytest.raises(ValueError, match=r"incompatible with this config: world_size: "
                                          r"checkpoint 8 vs config 4"):
         train_and_evaluate(small_config(bn_mode="local", num_epochs=1, devices="4"),
                            str(tmp_path))
+    # the same world size passes this check (and would go on to restore)
+    checkpoint.check_compatible(mngr, {**{k: v for k, v in meta.items()
+                                          if k not in ("epoch", "batch")}})
