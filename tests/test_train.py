@@ -8,7 +8,7 @@ import pytest
 
 from helpers import default_config, skip_train_step_compile, small_config
 from trjax import aot
-from trjax.train import evaluate_pass, setup, train_and_evaluate
+from trjax.train import evaluate_pass, prepare, setup, train_and_evaluate
 
 
 def _host_eval(model_name, data, params, batch_stats):
@@ -144,25 +144,29 @@ def test_comm_report_default_config():
     ("keep_checkpoints", 0, "config.keep_checkpoints=0 must be a positive int"),
     ("seed", -1, "config.seed=-1 must be an int >= 0"),
     ("data_dir", "/data/x", "config.data_dir='/data/x' is set but dataset='digits' is built in"),
-    ("global_batch_size", 2048, None),  # with train_remainder='drop': below
 ])
 def test_bad_config_fails_before_compiling(field, value, needle, monkeypatch):
     called = []
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: called.append(1))
-    extra = {}
-    if needle is None:  # 1,437 digits: no full global batch of 2,048 to keep
-        extra, needle = {"train_remainder": "drop"}, (
-            "config.train_remainder='drop' leaves no step: 1437 training examples < global "
-            "batch 2048; use train_remainder='pad' or a global_batch_size of at most 1437")
     with pytest.raises(ValueError) as e:
-        setup(small_config(**{field: value}, **extra))
+        setup(small_config(**{field: value}))
     assert needle in str(e.value)
     assert not called
-    if field == "global_batch_size":  # a compression that would start after the last step
-        with pytest.raises(ValueError, match=r"compression_start_step=24 is past the run's last "
-                                             r"step \(24\): compression='bf16' would never"):
-            setup(small_config(compression="bf16", compression_start_step=24))
-        assert not called
+
+
+def test_the_data_set_size_checks_run_before_compiling(monkeypatch):
+    """Checks that need the number of training examples (1,437 digits; 12 steps per epoch
+    of 128, 2 epochs): a run with no step, a compression that would never start."""
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(ValueError, match=r"config.train_remainder='drop' leaves no step: 1437 "
+                                         r"training examples < global batch 2048; use "
+                                         r"train_remainder='pad' or a global_batch_size of at "
+                                         r"most 1437"):
+        setup(small_config(train_remainder="drop", global_batch_size=2048))
+    with pytest.raises(ValueError, match=r"compression_start_step=24 is past the run's last "
+                                         r"step \(24\): compression='bf16' would never"):
+        setup(small_config(compression="bf16", compression_start_step=24))
+    prepare(small_config(compression="bf16", compression_start_step=23))  # its last step
 
 
 def test_config_combinations_are_checked_in_one_place():

@@ -142,6 +142,27 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
                          f"the world size {world_size} (devices per node; 0: per process)")
 
 
+def validate_steps(config: ml_collections.ConfigDict, train_examples: int, global_batch: int,
+                   steps_per_epoch: int) -> None:
+    """The checks that need the data set's size: the run has steps, and a
+    compression starts before its last one.
+
+    Raises:
+      ValueError: naming the key, the numbers and the fix.
+    """
+    c = config
+    if steps_per_epoch == 0:  # remainder="drop" and fewer examples than one global batch
+        raise ValueError(f"config.train_remainder='drop' leaves no step: {train_examples} "
+                         f"training examples < global batch {global_batch}; use "
+                         "train_remainder='pad' or a global_batch_size of at most "
+                         f"{train_examples}")
+    last = steps_per_epoch * c.num_epochs
+    if c.compression != "none" and c.compression_start_step >= last:
+        raise ValueError(f"config.compression_start_step={c.compression_start_step} is past "
+                         f"the run's last step ({last}): compression={c.compression!r} would "
+                         "never be used; lower it or set compression='none'")
+
+
 def load_config_file(path: str) -> ml_collections.ConfigDict:
     """Imports ``path`` and returns its ``get_config()``.
 

@@ -70,25 +70,15 @@ def prepare(config: ml_collections.ConfigDict,
                                            verify=config.verify_images,
                                            skip_bad_images=config.skip_bad_images)
     input_pipeline.resolve_workers(config.data_workers, data.train)  # a bad value: error now
+    train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
+                                                 config.train_remainder)
+    config_lib.validate_steps(config, len(data.train.labels), world.global_batch_size, train_steps)
     model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
                                 dtype=compute_dtype(config.precision), input_mean=data.mean,
                                 input_std=data.std)
     plan = build_plan(model, data.image_shape, config.buckets,
                       resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform))
-    train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
-                                                 config.train_remainder)
-    if train_steps == 0:  # remainder="drop" and fewer examples than one global batch
-        raise ValueError(f"config.train_remainder='drop' leaves no step: {len(data.train.labels)} "
-                         f"training examples < global batch {world.global_batch_size}; use "
-                         "train_remainder='pad' or a global_batch_size of at most "
-                         f"{len(data.train.labels)}")
-    if config.compression != "none" and config.compression_start_step >= \
-            train_steps * config.num_epochs:
-        raise ValueError(f"config.compression_start_step={config.compression_start_step} is past "
-                         f"the run's last step ({train_steps * config.num_epochs}): "
-                         f"compression={config.compression!r} would never be used; lower it "
-                         "or set compression='none'")
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
