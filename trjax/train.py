@@ -230,6 +230,14 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
 
     rows = world.process_rows()
     skipped: set = set()  # undecodable files skipped (config.skip_bad_images)
+    seconds["evaluate"] = 0.0
+
+    def evaluate(state) -> dict:
+        t = time.perf_counter()
+        with compiles.phase("evaluate"):
+            result = evaluate_pass(tr, state, skipped)
+        seconds["evaluate"] += time.perf_counter() - t
+        return result
     train_time, train_images = 0.0, 0
     show_bar = lead and config.progress and sys.stderr.isatty()
     # a drill stop already reached (the same halt_after_steps again): nothing to train
@@ -297,10 +305,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
                 epoch_s = before + time.perf_counter() - t0
                 train_time += time.perf_counter() - t0
                 train_images += int(sums.count)
-                t = time.perf_counter()
-                with compiles.phase("evaluate"):
-                    val = evaluate_pass(tr, state, skipped)
-                seconds["evaluate"] = seconds.get("evaluate", 0.0) + time.perf_counter() - t
+                val = evaluate(state)
                 watchdog.beat(step_index)
                 row = {"epoch": epoch, "step": step_index,
                        **{f"train_{k}": v for k, v in sums.rates().items()},
@@ -333,10 +338,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
     if stop_signal:
         raise stops.Preempted(int(host_value(state.step)), stop_signal.split()[0])
     if val is None or halted:  # resumed at the very end, or halted before this evaluation
-        t = time.perf_counter()
-        with compiles.phase("evaluate"):
-            val = evaluate_pass(tr, state, skipped)
-        seconds["evaluate"] = seconds.get("evaluate", 0.0) + time.perf_counter() - t
+        val = evaluate(state)
     loop_phases = ("train", "evaluate", "checkpoint", compilation.BACKGROUND)
     summary = {
         "val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
