@@ -17,7 +17,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.image_size = 224             # imagefolder only: train/eval crop size
     c.augment = False              # random crop (4 px zero padding) + flip; RandomResizedCrop
     #                                + flip for imagefolder; per (seed, epoch, example)
-    c.prefetch = 2                 # batches prepared ahead on a host thread
+    c.prefetch = 2                 # batches prepared ahead on a host thread; 0: no thread
     c.data_workers = -1            # imagefolder: decode in N worker processes (grain, the
     #                                'grain' extra); -1: the cores available (in this process
     #                                when grain is missing); 0: in this process. Same batches.
@@ -31,6 +31,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.cpu_devices = 8              # simulated CPU devices when there is no accelerator
     c.cpu_convolutions = "auto"    # XLA:CPU convolutions: "eigen", "ynnpack"; auto: eigen
     #                                when cpu_devices <= cores (trjax.host)
+    c.conv_lowering = "auto"       # strided convolutions and windows larger than their input:
+    #                                "im2col" (+ one matmul; XLA:CPU's are 1.2-5x slower),
+    #                                "xla"; auto: im2col on CPU (trjax.im2col)
     c.cpu_reuse_memory = False     # glibc keeps freed host memory: no page faults per step;
     #                                pays for big models only (trjax.host)
     c.global_batch_size = 128

@@ -27,9 +27,11 @@ def small_config(**overrides):
     return c
 
 
-def setup(world_spec="all", global_batch=32, bn_mode="sync", lr=0.1, opt="sgd", model_name="resnet8"):
+def setup(world_spec="all", global_batch=32, bn_mode="sync", lr=0.1, opt="sgd", model_name="resnet8",
+          conv_lowering="auto"):
     world = make_world(world_spec, global_batch)
-    model = models.create_model(model_name, num_classes=10, bn_mode=bn_mode, axis_name="data")
+    model = models.create_model(model_name, num_classes=10, bn_mode=bn_mode, axis_name="data",
+                                conv_lowering=conv_lowering)
     plan = build_plan(model, IMAGE_SHAPE)
     tx = optim.make_optimizer(opt, lr, plan, weight_decay=1e-3)
     state = create_train_state(jax.random.key(0), model, exchange.allreduce(tx, plan), world,

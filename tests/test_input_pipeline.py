@@ -248,8 +248,13 @@ def test_prefetch_keeps_order_and_runs_ahead():
     assert 3 <= len(produced) <= 4  # one consumed, two queued, at most one waiting for a slot
     assert list(it) == list(range(1, 10))
     assert not _prefetch_threads()
-    with pytest.raises(ValueError, match="depth must be >= 1"):
-        ip.prefetch(range(3), depth=0)
+    with pytest.raises(ValueError, match=r"depth=-1 must be an int >= 0"):
+        ip.prefetch(range(3), depth=-1)
+    # depth 0: the source itself, no thread
+    produced.clear()
+    it = ip.prefetch(source(), depth=0)
+    assert next(it) == 0 and produced == [0] and not _prefetch_threads()
+    assert list(it) == list(range(1, 10))
 
 
 def test_prefetch_reraises_producer_errors_in_order():

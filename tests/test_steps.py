@@ -160,9 +160,11 @@ def test_kernel_order_ihwo_equals_hwio_and_packs_without_transposes():
     where XLA fuses the update differently). On XLA:CPU it turns the transposes
     in front of the bucket's concatenate into bitcasts of the weight-gradient
     convolutions' outputs (all but the last stage, whose 2x2 maps take another
-    convolution path at this image size)."""
+    convolution path at this image size). XLA's convolutions only
+    (``conv_lowering="xla"``): an im2col kernel gradient is a matmul's output,
+    already in HWIO order."""
     batch = random_batch(32, seed=5)
-    world, model, _, tx, state = setup("all", 32, "running")
+    world, model, _, tx, state = setup("all", 32, "running", conv_lowering="xla")
     out, producers = {}, {}
     for order in ("HWIO", "IHWO"):
         plan = build_plan(model, (8, 8, 1), "two", order)

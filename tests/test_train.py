@@ -143,6 +143,9 @@ def test_comm_report_default_config():
     ("trust_coefficient", 0.0, "config.trust_coefficient=0.0 must be in (0, inf)"),
     ("keep_checkpoints", 0, "config.keep_checkpoints=0 must be a positive int"),
     ("seed", -1, "config.seed=-1 must be an int >= 0"),
+    ("prefetch", -1, "config.prefetch=-1 must be an int >= 0"),
+    ("learning_rate", float("inf"), "config.learning_rate=inf must be in (0, inf)"),
+    ("conv_lowering", "gemm", "config.conv_lowering='gemm' is not one of"),
     ("data_dir", "/data/x", "config.data_dir='/data/x' is set but dataset='digits' is built in"),
 ])
 def test_bad_config_fails_before_compiling(field, value, needle, monkeypatch):

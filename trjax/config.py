@@ -16,7 +16,7 @@ import os
 
 import ml_collections
 
-from trjax import compression, host, input_pipeline, models, optim
+from trjax import compression, host, im2col, input_pipeline, models, optim
 from trjax.batchnorm import BN_MODES
 from trjax.exchange import ALLREDUCE_CHOICES
 from trjax.plan import BUCKET_POLICIES, KERNEL_ORDERS
@@ -29,6 +29,7 @@ CHOICES = {
     "train_remainder": input_pipeline.REMAINDERS, "allreduce": ALLREDUCE_CHOICES,
     "compression": tuple(compression.COMPRESSORS),
     "bucket_kernel_order": ("auto",) + KERNEL_ORDERS, "cpu_convolutions": host.CPU_CONVOLUTIONS,
+    "conv_lowering": im2col.LOWERINGS,
 }
 """Config keys with a fixed set of values."""
 POSITIVE_INTS = ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_lag",
@@ -37,12 +38,14 @@ POSITIVE_INTS = ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_
                  "distributed.num_processes", "distributed.heartbeat_timeout_s")
 NON_NEGATIVE_INTS = ("compression_start_step", "allreduce_local_size", "checkpoint_every_steps",
                      "halt_after_steps", "log_every_steps", "max_consecutive_overflows", "seed",
-                     "warmup_epochs")
+                     "warmup_epochs", "prefetch")
 INF = float("inf")
 FLOAT_RANGES = {  # key: (low, low included, high, high included); NaN is out of every range
     "momentum": (0.0, True, 1.0, False), "bn_momentum": (0.0, True, 1.0, False),
     "weight_decay": (0.0, True, INF, False), "trust_coefficient": (0.0, False, INF, False),
     "step_timeout_s": (0.0, True, INF, False),  # 0: no watchdog
+    "learning_rate": (0.0, False, INF, False), "topk_ratio": (0.0, False, 1.0, True),
+    "compression_min_fraction": (0.0, True, 1.0, True),
 }
 """Numeric config keys and their valid ranges; anything else is an error naming the key."""
 
@@ -103,13 +106,6 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
                          f"(one of {list(input_pipeline.DATASETS)}) or leave data_dir empty")
     from trjax.loop_io import parse_profile_steps
     parse_profile_steps(c.profile_steps)
-    if not c.learning_rate > 0:
-        raise ValueError(f"config.learning_rate={c.learning_rate!r} must be > 0")
-    if not 0 < c.topk_ratio <= 1:
-        raise ValueError(f"config.topk_ratio={c.topk_ratio!r} must be in (0, 1]")
-    if not 0 <= c.compression_min_fraction <= 1:
-        raise ValueError(f"config.compression_min_fraction={c.compression_min_fraction!r} "
-                         "must be in [0, 1]")
     if c.shard_optimizer_state and (c.optimizer != "sgd" or c.compression != "none"
                                     or c.allreduce != "xla"):
         raise ValueError("config.shard_optimizer_state=True (ZeRO-1) needs optimizer='sgd', "

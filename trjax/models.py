@@ -21,6 +21,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from trjax.batchnorm import BatchNorm
+from trjax.im2col import Im2colConv, resolve_conv_lowering
 from trjax.input_pipeline import normalize
 
 
@@ -28,11 +29,11 @@ class BasicBlock(nn.Module):
     features: int
     strides: int
     norm: Any
-    dtype: Any = jnp.float32
+    conv: Any = functools.partial(nn.Conv, use_bias=False)
 
     @nn.compact
     def __call__(self, x, train, mask):
-        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+        conv = self.conv
         y = conv(self.features, (3, 3), (self.strides, self.strides), padding=1)(x)
         y = nn.relu(self.norm()(y, train, mask))
         y = conv(self.features, (3, 3), padding=1)(y)
@@ -47,11 +48,11 @@ class Bottleneck(nn.Module):
     features: int
     strides: int
     norm: Any
-    dtype: Any = jnp.float32
+    conv: Any = functools.partial(nn.Conv, use_bias=False)
 
     @nn.compact
     def __call__(self, x, train, mask):
-        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype)
+        conv = self.conv
         y = conv(self.features, (1, 1))(x)
         y = nn.relu(self.norm()(y, train, mask))
         y = conv(self.features, (3, 3), (self.strides, self.strides), padding=1)(y)
@@ -77,6 +78,9 @@ class ResNet(nn.Module):
       num_classes: logits size.
       bn_mode, axis_name, bn_momentum: passed to every BatchNorm.
       dtype: compute dtype (parameters stay float32).
+      conv_lowering: ``"xla"``, ``"im2col"`` (strided convolutions and windows
+        larger than their input as im2col + matmul, :mod:`trjax.im2col`) or
+        ``"auto"`` (im2col on CPU, :func:`trjax.im2col.resolve_conv_lowering`).
       input_mean, input_std: per-channel statistics of the input in its own
         units (the data set's ``mean`` / ``std``): the input becomes
         ``(x - mean) / std`` in float32, then ``dtype``. ``None``: only the cast.
@@ -94,25 +98,27 @@ class ResNet(nn.Module):
     dtype: Any = jnp.float32
     input_mean: Optional[Sequence[float]] = None
     input_std: Optional[Sequence[float]] = None
+    conv_lowering: str = "auto"
 
     @nn.compact
     def __call__(self, x, train: bool = True, mask=None):
         norm = functools.partial(BatchNorm, mode=self.bn_mode, axis_name=self.axis_name,
                                  momentum=self.bn_momentum, dtype=self.dtype)
+        im2col = resolve_conv_lowering(self.conv_lowering) == "im2col"
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
+                                 conv_general_dilated_cls=Im2colConv if im2col else None)
         x = normalize(x, self.input_mean, self.input_std, self.dtype)
         if self.stem == "imagenet":
-            x = nn.Conv(self.stem_width, (7, 7), (2, 2), padding=3, use_bias=False,
-                        dtype=self.dtype, name="stem_conv")(x)
+            x = conv(self.stem_width, (7, 7), (2, 2), padding=3, name="stem_conv")(x)
         else:
-            x = nn.Conv(self.stem_width, (3, 3), padding=1, use_bias=False,
-                        dtype=self.dtype, name="stem_conv")(x)
+            x = conv(self.stem_width, (3, 3), padding=1, name="stem_conv")(x)
         x = nn.relu(norm(name="stem_bn")(x, train, mask))
         if self.stem == "imagenet":
             x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
         for i, (n_blocks, width) in enumerate(zip(self.stage_sizes, self.widths)):
             for j in range(n_blocks):
                 strides = 2 if i > 0 and j == 0 else 1
-                x = self.block(width, strides, norm, self.dtype, name=f"stage{i + 1}_block{j + 1}")(
+                x = self.block(width, strides, norm, conv, name=f"stage{i + 1}_block{j + 1}")(
                     x, train, mask)
         x = jnp.mean(x, axis=(1, 2))
         x = nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)

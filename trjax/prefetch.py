@@ -35,13 +35,15 @@ def prefetch(iterator: Iterable, depth: int = 2) -> Iterator:
     source iterator's ``close()`` (if any) is called in the producer thread and
     the thread is joined: no thread is left behind. A producer blocked inside a
     slow ``next()`` finishes that one item first. The thread starts on the
-    first ``next()``.
+    first ``next()``. ``depth=0``: no thread, ``iter(iterator)`` itself.
 
     Raises:
-      ValueError: ``depth < 1``.
+      ValueError: ``depth`` is not an int >= 0.
     """
-    if depth < 1:
-        raise ValueError(f"prefetch depth must be >= 1, got {depth}")
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
+        raise ValueError(f"prefetch depth={depth!r} must be an int >= 0 (0: no thread)")
+    if depth == 0:
+        return iter(iterator)
     return _prefetch(iter(iterator), depth)
 
 

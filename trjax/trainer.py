@@ -18,6 +18,7 @@ import numpy as np
 from trjax import aot, input_pipeline, models, optim, steps
 from trjax import config as config_lib
 from trjax import exchange as exchange_lib
+from trjax.im2col import resolve_conv_lowering
 from trjax.metrics import METRICS, StepMetrics
 from trjax.plan import build_plan, resolve_kernel_order
 from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
@@ -76,7 +77,8 @@ def prepare(config: ml_collections.ConfigDict,
     model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
                                 dtype=compute_dtype(config.precision), input_mean=data.mean,
-                                input_std=data.std)
+                                input_std=data.std, conv_lowering=resolve_conv_lowering(
+                                    config.conv_lowering, world.devices[0].platform))
     plan = build_plan(model, data.image_shape, config.buckets,
                       resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform))
     schedule = optim.learning_rate_schedule(config.learning_rate,
