@@ -44,7 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.bn_momentum = 0.9
     # communication
     c.buckets = "two"              # "two" (seed), "tail_minimal", "size:<MB>", "per_leaf"
-    c.bucket_kernel_order = "auto"  # conv grads in the buckets: "HWIO", "IHWO"; auto: IHWO on CPU
+    c.bucket_kernel_order = "auto"  # conv grads in the buckets: "HWIO", "IHWO"; auto: IHWO on
+    #                                 CPU with conv_lowering="xla", else HWIO (trjax.plan)
     c.allreduce = "xla"            # "xla" (psum -> NCCL), "ring", "halving_doubling", "tree",
     #                                "hierarchical" (within a node, then across nodes)
     c.allreduce_local_size = 0     # hierarchical: devices per node (0: devices per process)

@@ -70,8 +70,11 @@ def test_hierarchical_allreduce_from_config_groups_by_local_size():
 @pytest.mark.parametrize("overrides,name,vma,keys", [
     ({}, "allreduce:xla", True, {}),
     ({"allreduce": "tree"}, "allreduce:tree", False, {}),
-    ({"compression": "powersgd"}, "compressed", False, {"bucket_kernel_order": "IHWO"}),
+    # CPU with im2col convolutions: kernels in HWIO order (trjax.plan.resolve_kernel_order)
+    ({"compression": "powersgd"}, "compressed", False, {"bucket_kernel_order": "HWIO"}),
     ({"shard_optimizer_state": True}, "shard_optimizer_state", False,
+     {"bucket_kernel_order": "HWIO"}),
+    ({"compression": "powersgd", "conv_lowering": "xla"}, "compressed", False,
      {"bucket_kernel_order": "IHWO"}),
 ])
 def test_from_config_picks_one_strategy(overrides, name, vma, keys):

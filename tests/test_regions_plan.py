@@ -154,6 +154,7 @@ def test_kernel_order_ihwo_lays_conv_gradients_out_transposed():
     with pytest.raises(ValueError, match=r"kernel_order='OIHW' is not one of"):
         build_plan(model, (8, 8, 1), "two", "OIHW")
     assert resolve_kernel_order("auto", "cpu") == "IHWO"
+    assert resolve_kernel_order("auto", "cpu", "im2col") == "HWIO"  # matmul outputs
     assert resolve_kernel_order("auto", "gpu") == "HWIO"
     assert resolve_kernel_order("HWIO", "cpu") == "HWIO"
     with pytest.raises(ValueError, match=r"bucket_kernel_order='ohwi'.*'auto'"):

@@ -74,13 +74,14 @@ def prepare(config: ml_collections.ConfigDict,
     train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
                                                  config.train_remainder)
     config_lib.validate_steps(config, len(data.train.labels), world.global_batch_size, train_steps)
+    lowering = resolve_conv_lowering(config.conv_lowering, world.devices[0].platform)
     model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
                                 dtype=compute_dtype(config.precision), input_mean=data.mean,
-                                input_std=data.std, conv_lowering=resolve_conv_lowering(
-                                    config.conv_lowering, world.devices[0].platform))
+                                input_std=data.std, conv_lowering=lowering)
     plan = build_plan(model, data.image_shape, config.buckets,
-                      resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform))
+                      resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform,
+                                           lowering))
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
