@@ -31,6 +31,9 @@ def _both(x, w, strides, padding, dn=NHWC):
     ((4, 8, 8, 4), (1, 1, 4, 6), (2, 2), "SAME"),              # 1x1 projection, stride 2
     ((2, 12, 12, 3), (7, 7, 3, 4), (2, 2), ((3, 3), (3, 3))),  # ImageNet stem
     ((4, 9, 9, 4), (3, 3, 4, 5), (2, 1), "VALID"),             # stride in one dimension
+    ((1, 1, 1, 3), (7, 7, 3, 4), (2, 2), ((3, 3), (3, 3))),    # stem on a 1x1 image, batch 1
+    ((2, 1, 8, 3), (3, 3, 3, 4), (1, 1), ((1, 1), (1, 1))),    # height 1: window > input in H
+    ((2, 5, 5, 3), (3, 3, 3, 4), (2, 2), ((-1, 0), (2, 0))),   # negative and uneven pads
 ])
 def test_routed_convolutions_equal_xla(shape, kernel, strides, padding):
     rng = np.random.default_rng(0)
@@ -110,3 +113,17 @@ def test_model_on_2x2_maps_has_no_swapped_convolution():
     for a, b in zip(jax.tree_util.tree_leaves(v_xla), jax.tree_util.tree_leaves(v_im)):
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(y_im, y_xla, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape,kernel,strides", [
+    ((2, 1, 8, 3), (3, 3, 3, 4), (1, 1)),  # padded height 1 < window 3: Ho would be -1
+    ((2, 2, 2, 3), (3, 3, 3, 4), (2, 2)),  # Ho = Wo = 0
+    ((2, 1, 1, 3), (7, 7, 3, 4), (2, 2)),
+])
+def test_window_larger_than_padded_input_gives_xlas_empty_output(shape, kernel, strides):
+    """VALID padding with a window larger than the input: XLA's output has a zero-size
+    spatial dimension; so must this one (no negative slice limits)."""
+    x, w = jnp.ones(shape, jnp.float32), jnp.ones(kernel, jnp.float32)
+    y = im2col.conv_general_dilated(x, w, strides, "VALID", dimension_numbers=NHWC)
+    ref = lax.conv_general_dilated(x, w, strides, "VALID", dimension_numbers=NHWC)
+    assert y.shape == ref.shape and 0 in ref.shape and y.dtype == ref.dtype

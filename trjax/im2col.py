@@ -94,14 +94,18 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
              or any(d != 1 for d in (rhs_dilation or ()))
              or feature_group_count != 1 or batch_group_count != 1
              or not routed(lhs.shape[1:3], window, strides))
+    if not plain:
+        if isinstance(padding, str):
+            padding = lax.padtype_to_pads(lhs.shape[1:3], window, strides, padding)
+        # an empty output (padded input smaller than the window): XLA's, which gives
+        # the [B, 0, Wo, O] / [B, Ho, 0, O] array; the views below would need negative limits
+        plain = any(n + lo + hi < k for n, (lo, hi), k in zip(lhs.shape[1:3], padding, window))
     if plain:
         return lax.conv_general_dilated(
             lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
             rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
             feature_group_count=feature_group_count, batch_group_count=batch_group_count,
             precision=precision, preferred_element_type=preferred_element_type)
-    if isinstance(padding, str):
-        padding = lax.padtype_to_pads(lhs.shape[1:3], window, strides, padding)
     (pt, pb), (pl, pr) = padding
     x = lax.pad(lhs, jnp.zeros((), lhs.dtype), ((0, 0, 0), (pt, pb, 0), (pl, pr, 0), (0, 0, 0)))
     (kh, kw), (sh, sw) = window, strides
