@@ -235,3 +235,34 @@ def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
     # the same world size passes this check (and would go on to restore)
     checkpoint.check_compatible(mngr, {**{k: v for k, v in meta.items()
                                           if k not in ("epoch", "batch")}})
+
+
+@pytest.mark.parametrize("exchange", [dict(compression="powersgd"),
+                                      dict(shard_optimizer_state=True)])
+def test_resume_may_switch_conv_lowering_with_bucket_shaped_state(exchange, tmp_path):
+    """conv_lowering may change on resume (loop_io.RESUME_MAY_CHANGE), but on CPU it picks
+    the "auto" bucket kernel order (xla: IHWO, im2col: HWIO), the layout of PowerSGD's
+    error feedback and of the ZeRO-1 shards, which the checkpoint records. "auto" keeps
+    the checkpoint's order: the resume runs, and lands where the same resume with the
+    run's own lowering does (the two lowerings differ by float rounding only)."""
+    import shutil
+    cfg = dict(num_epochs=1, log_every_steps=0, **exchange)
+    train_and_evaluate(small_config(conv_lowering="xla", halt_after_steps=2, **cfg),
+                       str(tmp_path / "a"))
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    switched, _ = train_and_evaluate(small_config(conv_lowering="im2col", halt_after_steps=4,
+                                                  **cfg), str(tmp_path / "a"))
+    same, _ = train_and_evaluate(small_config(conv_lowering="xla", halt_after_steps=4, **cfg),
+                                 str(tmp_path / "b"))
+    meta = checkpoint.newest_meta(checkpoint.manager(str(tmp_path / "a" / "checkpoints")))
+    assert meta[0].endswith("4") and meta[1]["bucket_kernel_order"] == "IHWO"
+    for name in ("params", "opt_state"):
+        for a, b in zip(jax.tree_util.tree_leaves(to_host(getattr(switched, name))),
+                        jax.tree_util.tree_leaves(to_host(getattr(same, name)))):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
+    # an explicit order other than the checkpoint's is the meta check's error
+    with pytest.raises(ValueError, match=r"bucket_kernel_order: checkpoint 'IHWO' vs config "
+                                         r"'HWIO'"):
+        checkpoint.check_compatible(
+            checkpoint.manager(str(tmp_path / "a" / "checkpoints")),
+            {"bucket_kernel_order": "HWIO"})

@@ -126,17 +126,26 @@ def _abstract(state):
         flax.serialization.to_state_dict(state))
 
 
-def check_compatible(mngr: ocp.CheckpointManager, expect: dict, log=print) -> None:
-    """Raises ``ValueError`` if the newest readable checkpoint was written with
-    other ``expect`` values (called before anything is compiled)."""
+def newest_meta(mngr: ocp.CheckpointManager) -> tuple[str, dict] | None:
+    """``(path, meta)`` of the newest checkpoint whose ``meta`` reads, or
+    ``None`` (no checkpoint, or none readable: :func:`restore_latest` reports
+    unreadable ones when it falls back)."""
     for step in sorted(mngr.all_steps(), reverse=True):
         path = os.path.join(str(mngr.directory), str(step))
         try:
-            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            return path, mngr.restore(step, args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore()))["meta"]
         except Exception:
-            continue  # unreadable: restore_latest reports it and falls back
-        _check_meta(path, meta, expect)
-        return
+            continue
+    return None
+
+
+def check_compatible(mngr: ocp.CheckpointManager, expect: dict, log=print) -> None:
+    """Raises ``ValueError`` if the newest readable checkpoint was written with
+    other ``expect`` values (called before anything is compiled)."""
+    newest = newest_meta(mngr)
+    if newest is not None:
+        _check_meta(*newest, expect)
 
 
 def _check_meta(path: str, meta: dict, expect: dict) -> None:

@@ -39,7 +39,9 @@ arithmetic of a step or the data order."""
 
 SCHEDULE_NOTE = {"num_epochs": " (the warmup + cosine learning-rate schedule is recomputed over "
                                "the new total steps: the learning rate changes from the "
-                               "restored step on)"}
+                               "restored step on)",
+                 "conv_lowering": " (bucket_kernel_order='auto' keeps the checkpoint's order "
+                                  "where compression or ZeRO-1 state is laid out in it)"}
 """What a change of a key in :data:`RESUME_MAY_CHANGE` does to the steps that follow."""
 
 MIN_LOSS_SCALE = 1.0  # trjax.precision.update_loss_scale's floor

@@ -98,11 +98,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       trjax.workdir.WorkdirBusy: another live run writes into ``workdir``.
     """
     t_start = time.perf_counter()
-    prepared = prepare(config, data)
+    prepared = prepare(config, data, _saved_kernel_order(config, workdir))
     seconds = {"prepare": time.perf_counter() - t_start}  # where the wall time goes
     cache = compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
     with compilation.CompileLog("startup") as compiles:  # every executable built, by phase
         return _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, seconds)
+
+
+def _saved_kernel_order(config, workdir: str) -> str | None:
+    """The bucket kernel order the state of the checkpoint a resume reads is laid
+    out in (compression error feedback, ZeRO-1 shards; the exchange's
+    ``checkpoint_keys`` put it in the meta), or None: no resume, no checkpoint,
+    or a state that does not depend on it."""
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    if not (config.resume and os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir)):
+        return None
+    newest = checkpoint.newest_meta(checkpoint.manager(ckpt_dir, config.keep_checkpoints))
+    return None if newest is None else newest[1].get("bucket_kernel_order")
 
 
 def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, seconds):

@@ -53,12 +53,18 @@ class Trainer:
 
 
 def prepare(config: ml_collections.ConfigDict,
-            data: input_pipeline.Dataset | None = None) -> Trainer:
+            data: input_pipeline.Dataset | None = None,
+            saved_kernel_order: str | None = None) -> Trainer:
     """Config -> world -> data -> model, plan, schedule and gradient exchange.
 
     Every check on the config, the device spec and the batch split runs
     first (:func:`trjax.config.validate`); nothing is traced, compiled or
     placed on a device. :func:`setup` finishes the job.
+
+    ``saved_kernel_order``: the bucket kernel order of the checkpoint a run
+    resumes from, where its state depends on it (its meta's
+    ``bucket_kernel_order``); ``config.bucket_kernel_order="auto"`` keeps it
+    (:func:`trjax.plan.resolve_kernel_order`).
 
     Raises:
       ValueError: an invalid config, device spec or batch split.
@@ -81,7 +87,7 @@ def prepare(config: ml_collections.ConfigDict,
                                 input_std=data.std, conv_lowering=lowering)
     plan = build_plan(model, data.image_shape, config.buckets,
                       resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform,
-                                           lowering))
+                                           lowering, saved_kernel_order))
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
