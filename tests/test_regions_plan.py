@@ -159,9 +159,3 @@ def test_kernel_order_ihwo_lays_conv_gradients_out_transposed():
     assert resolve_kernel_order("HWIO", "cpu") == "HWIO"
     with pytest.raises(ValueError, match=r"bucket_kernel_order='ohwi'.*'auto'"):
         resolve_kernel_order("ohwi", "cpu")
-    # a resume: "auto" keeps the checkpoint's order (its state's layout), whatever the lowering
-    assert resolve_kernel_order("auto", "cpu", "im2col", saved="IHWO") == "IHWO"
-    assert resolve_kernel_order("auto", "cpu", "xla", saved="HWIO") == "HWIO"
-    assert resolve_kernel_order("HWIO", "cpu", "xla", saved="IHWO") == "HWIO"  # explicit: as is
-    with pytest.raises(ValueError, match=r"checkpoint's bucket_kernel_order='OIHW'"):
-        resolve_kernel_order("auto", "cpu", saved="OIHW")

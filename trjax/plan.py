@@ -64,13 +64,11 @@ KERNEL_ORDERS = ("HWIO", "IHWO")
 """Axis orders a conv kernel gradient can take inside a bucket."""
 
 
-def resolve_kernel_order(setting: str, platform: str, conv_lowering: str = "xla",
-                         saved: str | None = None) -> str:
+def resolve_kernel_order(setting: str, platform: str, conv_lowering: str = "xla") -> str:
     """``config.bucket_kernel_order`` for a backend: ``"auto"`` is ``"IHWO"`` on
     ``cpu`` with XLA's convolutions (``conv_lowering="xla"``: the order of
     XLA:CPU's weight-gradient convolution output, so packing a bucket is one
-    copy instead of a transpose and a copy) and ``"HWIO"`` elsewhere; other
-    values pass through.
+    copy instead of a transpose and a copy) and ``"HWIO"`` elsewhere; others pass through.
 
     With ``conv_lowering="im2col"`` (the CPU default, :mod:`trjax.im2col`) the
     kernels that im2col computes, the last stage's on the main job and so most
@@ -79,22 +77,9 @@ def resolve_kernel_order(setting: str, platform: str, conv_lowering: str = "xla"
     one process, alternating epochs, median of 8): IHWO 39.8, HWIO 37.9 ms per
     step (a per-kernel mix of the two orders: 37.0).
 
-    ``saved``: the order a resumed checkpoint's state is laid out in (its meta
-    ``bucket_kernel_order``: compression error feedback and ZeRO-1 shards are
-    bucket-shaped); ``"auto"`` keeps it, so a resume may switch
-    ``conv_lowering`` (``loop_io.RESUME_MAY_CHANGE``) without re-laying out
-    that state. An explicit setting is returned as is (a mismatch with the
-    checkpoint is then its meta check's error).
-
     Raises:
-      ValueError: ``setting`` is not ``"auto"`` or one of ``plan.KERNEL_ORDERS``,
-        or ``saved`` is not one of ``plan.KERNEL_ORDERS``.
+      ValueError: ``setting`` is not ``"auto"`` or one of ``plan.KERNEL_ORDERS``.
     """
-    if saved is not None and saved not in KERNEL_ORDERS:
-        raise ValueError(f"the checkpoint's bucket_kernel_order={saved!r} is not one of "
-                         f"{KERNEL_ORDERS}")
-    if setting == "auto" and saved is not None:
-        return saved
     if setting == "auto":
         return "IHWO" if platform == "cpu" and conv_lowering == "xla" else "HWIO"
     if setting not in KERNEL_ORDERS:

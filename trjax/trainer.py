@@ -63,8 +63,10 @@ def prepare(config: ml_collections.ConfigDict,
 
     ``saved_kernel_order``: the bucket kernel order of the checkpoint a run
     resumes from, where its state depends on it (its meta's
-    ``bucket_kernel_order``); ``config.bucket_kernel_order="auto"`` keeps it
-    (:func:`trjax.plan.resolve_kernel_order`).
+    ``bucket_kernel_order``: PowerSGD/top-k error feedback and ZeRO-1 shards
+    are bucket-shaped); ``config.bucket_kernel_order="auto"`` keeps it, so a
+    resume may switch ``conv_lowering``, which picks the "auto" order on CPU
+    (:func:`trjax.plan.resolve_kernel_order`), without re-laying out that state.
 
     Raises:
       ValueError: an invalid config, device spec or batch split.
@@ -85,9 +87,10 @@ def prepare(config: ml_collections.ConfigDict,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
                                 dtype=compute_dtype(config.precision), input_mean=data.mean,
                                 input_std=data.std, conv_lowering=lowering)
-    plan = build_plan(model, data.image_shape, config.buckets,
-                      resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform,
-                                           lowering, saved_kernel_order))
+    order = resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform, lowering)
+    if config.bucket_kernel_order == "auto" and saved_kernel_order:  # the state's layout
+        order = saved_kernel_order  # (a bad one: build_plan's error)
+    plan = build_plan(model, data.image_shape, config.buckets, order)
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
