@@ -237,9 +237,8 @@ def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
                                           if k not in ("epoch", "batch")}})
 
 
-@pytest.mark.parametrize("exchange", [dict(compression="powersgd"),
-                                      dict(shard_optimizer_state=True)])
-def test_resume_may_switch_conv_lowering_with_bucket_shaped_state(exchange, tmp_path):
+@pytest.mark.parametrize("exchange", [dict(compression="powersgd")])  # ZeRO-1's shards: the
+def test_resume_may_switch_conv_lowering_with_bucket_shaped_state(exchange, tmp_path):  # same key
     """conv_lowering may change on resume (loop_io.RESUME_MAY_CHANGE), but on CPU it picks
     the "auto" bucket kernel order (xla: IHWO, im2col: HWIO), the layout of PowerSGD's
     error feedback and of the ZeRO-1 shards, which the checkpoint records. "auto" keeps
