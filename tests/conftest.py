@@ -46,3 +46,36 @@ def tiny_time_to_accuracy(tmp_path_factory):
     out = tmp_path_factory.mktemp("tta")
     proc, variants = run_tiny_time_to_accuracy(out)
     return out, proc, variants
+
+
+@pytest.fixture(scope="session")
+def script_dry_runs(tmp_path_factory):
+    """Two script runs for the session, side by side (two processes on the 2 cores):
+    ``scripts/gpu_check.py --dry-run`` (test_gpu_check checks its JSON, test_benchmark
+    the ``--gpu --dry_run`` benchmark it ran as its ``benchmark`` part) and a tiny CPU
+    ``scripts/benchmark.py`` (ResNet-8 on 8x8x1, world sizes 1 and 2, with the memory
+    comparison; test_benchmark). ``{"gpu_check": (out, proc), "cpu_tiny": (out, proc)}``."""
+    import subprocess
+    import sys
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)  # the forced device count: the scripts set their own
+    env["JAX_PLATFORMS"] = "cpu"
+    gpu_out, cpu_out = tmp_path_factory.mktemp("gpu_check"), tmp_path_factory.mktemp("cpu_tiny")
+    commands = {
+        "gpu_check": (gpu_out, [os.path.join(root, "scripts", "gpu_check.py"), str(gpu_out),
+                                "--dry-run", "--timeout_scale", "4"]),
+        "cpu_tiny": (cpu_out, [os.path.join(root, "scripts", "benchmark.py"), "--model",
+                               "resnet8", "--image", "8,8,1", "--global_batch", "16",
+                               "--world_sizes", "1,2", "--warmup", "1", "--steps", "2",
+                               "--rounds", "1", "--variants", "two,per_leaf", "--out",
+                               str(cpu_out)])}
+    procs = {k: subprocess.Popen([sys.executable, *cmd], cwd=root, env=env, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for k, (_, cmd) in commands.items()}
+    done = {}
+    for k, p in procs.items():
+        stdout, stderr = p.communicate(timeout=900)
+        done[k] = (commands[k][0], subprocess.CompletedProcess(p.args, p.returncode, stdout,
+                                                               stderr))
+    return done

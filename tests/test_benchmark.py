@@ -1,6 +1,7 @@
-"""scripts/benchmark.py end to end, tiny: the GPU code path on CPU (--gpu --dry_run)
-and a tiny CPU run (one world size, two steps). Both run as subprocesses, side by
-side, and must write the JSON, the markdown table and the PNG plot."""
+"""scripts/benchmark.py end to end, tiny: the GPU code path on CPU (--gpu --dry_run, as
+scripts/gpu_check.py's dry run runs it) and a tiny CPU run (two world sizes, two steps).
+conftest runs both as subprocesses, side by side, once per session; each must write the
+JSON, the markdown table and the PNG plot."""
 import importlib.util
 import json
 import os
@@ -42,36 +43,32 @@ def _check_outputs(out, expect_variants, world, worlds=None):
     return r
 
 
-def test_gpu_dry_run_and_tiny_cpu_mode(tmp_path):
-    gpu_out, cpu_out = tmp_path / "gpu_dry_run", tmp_path / "cpu_tiny"
-    gpu = subprocess.Popen(
-        # resnet8 instead of the dry run's default resnet18 keeps the test short
-        [sys.executable, SCRIPT, "--gpu", "--dry_run", "--model", "resnet8", "--out", str(gpu_out)],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    cpu = subprocess.Popen(
-        # two world sizes: one child process each, with exactly N simulated devices; the
-        # compile without donation is the GPU dry run's to check (the same JaxVariant code)
-        [sys.executable, SCRIPT, "--model", "resnet8", "--image", "8,8,1", "--global_batch", "16",
-         "--world_sizes", "1,2", "--warmup", "1", "--steps", "2", "--rounds", "1",
-         "--variants", "two,per_leaf", "--no_memory_compare", "--out", str(cpu_out)],
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    gpu_log, _ = gpu.communicate(timeout=300)
-    cpu_log, _ = cpu.communicate(timeout=300)
-    assert gpu.returncode == 0, gpu_log[-3000:]
-    assert cpu.returncode == 0, cpu_log[-3000:]
-
+def test_gpu_dry_run(script_dry_runs):
+    """The ``--gpu --dry_run`` benchmark that gpu_check's dry run ran (its ``benchmark``
+    part: resnet8, 2 CPU devices; conftest runs it once for the session)."""
+    out, proc = script_dry_runs["gpu_check"]
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    gpu_out = out / "benchmark"
     r = _check_outputs(gpu_out, ["trjax/two"] + (["torch/ddp"] if HAVE_TORCH else []), world=2)
     assert r["meta"]["mode"] == "gpu-dry-run" and r["meta"]["precision"] == "bf16"
     assert r["meta"]["image"] == [32, 32, 3] and r["meta"]["steps_per_round"] == 2
     assert all(x["mfu"] is not None and 0 < x["mfu"] < 1 for x in r["results"])
-    info = r["results"][0]["info"]
-    assert info["memory_not_donated"]["peak"] > info["memory_donated"]["peak"]
-    assert info["not_donated_flops_match"]
     if HAVE_TORCH:
         assert "trjax / torch DDP at world 2" in r["ratios"]
         assert "MFU" in (gpu_out / "benchmark.md").read_text()
     else:
-        assert "torch is not importable" in gpu_log
+        assert "torch is not importable" in r["meta"]["torch_skipped"]
+
+
+def test_tiny_cpu_mode(script_dry_runs):
+    """Two world sizes: one child process each, with exactly N simulated devices; with
+    the compile without donation (memory statistics donated and not). Run by conftest,
+    side by side with gpu_check's dry run."""
+    cpu_out, cpu = script_dry_runs["cpu_tiny"]
+    assert cpu.returncode == 0, cpu.stdout[-3000:] + cpu.stderr[-3000:]
+    info = json.loads((cpu_out / "benchmark.json").read_text())["results"][0]["info"]
+    assert info["memory_not_donated"]["peak"] > info["memory_donated"]["peak"]
+    assert info["not_donated_flops_match"]
 
     r = _check_outputs(cpu_out, ["trjax/two", "trjax/per_leaf"], world=2, worlds=[1, 2])
     assert r["meta"]["mode"] == "cpu"
@@ -83,7 +80,7 @@ def test_gpu_dry_run_and_tiny_cpu_mode(tmp_path):
     assert (cpu_out / "world1" / "benchmark.json").is_file()
     assert "| 1 | trjax/two | 1 / " in (cpu_out / "benchmark.md").read_text()
     assert "two-bucket / per-leaf at world 2" in r["ratios"]
-    assert "two-bucket / per-leaf at world 2" in cpu_log
+    assert "two-bucket / per-leaf at world 2" in cpu.stdout
 
 
 def test_time_to_accuracy_tiny(tiny_time_to_accuracy):

@@ -20,10 +20,8 @@ def _env():
     return env
 
 
-def test_dry_run_writes_every_figure(tmp_path):
-    out = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--dry-run",
-                          "--timeout_scale", "4"],
-                         capture_output=True, text=True, timeout=900, env=_env(), cwd=ROOT)
+def test_dry_run_writes_every_figure(script_dry_runs):
+    tmp_path, out = script_dry_runs["gpu_check"]  # conftest: one dry run for the session
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "all parts passed" in out.stdout
     r = json.loads((tmp_path / "gpu_check.json").read_text())
