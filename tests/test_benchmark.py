@@ -5,23 +5,12 @@ JSON, the markdown table and the PNG plot."""
 import importlib.util
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-SCRIPT = os.path.join(ROOT, "scripts", "benchmark.py")
-from trjax.host import available_cores  # noqa: E402
+from trjax.host import available_cores
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
-
-
-def _env():
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)  # conftest's forced device count: the script sets its own
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 def _check_outputs(out, expect_variants, world, worlds=None):
