@@ -4,7 +4,6 @@ conftest runs both as subprocesses, side by side, once per session; each must wr
 JSON, the markdown table and the PNG plot."""
 import importlib.util
 import json
-import os
 
 import pytest
 
