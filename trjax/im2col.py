@@ -17,7 +17,10 @@ strided) views of it are concatenated along the channels into patches
 ``[B, Ho, Wo, kh * kw * C]``, and one ``dot_general`` with the kernel reshaped
 to ``[kh * kw * C, O]`` gives the output. Autodiff turns the views into pads
 and the concatenation into slices, so the gradients are matrix multiplies too.
-Every other convolution goes to ``lax.conv_general_dilated`` unchanged. The
+Every other convolution goes to ``lax.conv_general_dilated`` unchanged.
+(jax's own ``lax.conv_general_dilated_patches`` extracts the patches with a
+convolution against an identity kernel, so it keeps the slow path: fwd + bwd
+4.8 ms on the 2x2x64 case below, 9.4 ms on the stride-2 8x8x16 one.) The
 sums are the same; only their order, so float rounding (~1e-6 relative in
 float32), differs.
 
@@ -75,6 +78,24 @@ def _nhwc_hwio(dimension_numbers, ndim: int) -> bool:
         and tuple(dn.out_spec) == (0, 3, 1, 2)
 
 
+def _im2col_pads(lhs, rhs, strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+                 feature_group_count, batch_group_count):
+    """The explicit ``((top, bottom), (left, right))`` padding of a convolution that goes
+    to im2col, or ``None`` for one that stays XLA's: another layout, a dilation, feature
+    or batch groups, neither stride nor window routed, or an empty output (a padded
+    input smaller than the window: XLA gives the ``[B, 0, Wo, O]`` array)."""
+    if (not _nhwc_hwio(dimension_numbers, lhs.ndim)
+            or any(d != 1 for d in (*(lhs_dilation or ()), *(rhs_dilation or ())))
+            or feature_group_count != 1 or batch_group_count != 1
+            or not routed(lhs.shape[1:3], rhs.shape[:2], strides)):
+        return None
+    if isinstance(padding, str):
+        padding = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], strides, padding)
+    if any(n + lo + hi < k for n, (lo, hi), k in zip(lhs.shape[1:3], padding, rhs.shape[:2])):
+        return None
+    return tuple(tuple(p) for p in padding)
+
+
 def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
                          rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
                          batch_group_count=1, precision=None, preferred_element_type=None):
@@ -88,27 +109,17 @@ def conv_general_dilated(lhs, rhs, window_strides, padding, lhs_dilation=None,
     anything else is passed to ``lax.conv_general_dilated``.
     """
     strides = tuple(window_strides)
-    window = tuple(rhs.shape[:2])
-    plain = (not _nhwc_hwio(dimension_numbers, lhs.ndim)
-             or any(d != 1 for d in (lhs_dilation or ()))
-             or any(d != 1 for d in (rhs_dilation or ()))
-             or feature_group_count != 1 or batch_group_count != 1
-             or not routed(lhs.shape[1:3], window, strides))
-    if not plain:
-        if isinstance(padding, str):
-            padding = lax.padtype_to_pads(lhs.shape[1:3], window, strides, padding)
-        # an empty output (padded input smaller than the window): XLA's, which gives
-        # the [B, 0, Wo, O] / [B, Ho, 0, O] array; the views below would need negative limits
-        plain = any(n + lo + hi < k for n, (lo, hi), k in zip(lhs.shape[1:3], padding, window))
-    if plain:
+    pads = _im2col_pads(lhs, rhs, strides, padding, lhs_dilation, rhs_dilation,
+                        dimension_numbers, feature_group_count, batch_group_count)
+    if pads is None:
         return lax.conv_general_dilated(
             lhs, rhs, window_strides, padding, lhs_dilation=lhs_dilation,
             rhs_dilation=rhs_dilation, dimension_numbers=dimension_numbers,
             feature_group_count=feature_group_count, batch_group_count=batch_group_count,
             precision=precision, preferred_element_type=preferred_element_type)
-    (pt, pb), (pl, pr) = padding
+    (pt, pb), (pl, pr) = pads
     x = lax.pad(lhs, jnp.zeros((), lhs.dtype), ((0, 0, 0), (pt, pb, 0), (pl, pr, 0), (0, 0, 0)))
-    (kh, kw), (sh, sw) = window, strides
+    (kh, kw), (sh, sw) = rhs.shape[:2], strides
     ho = (x.shape[1] - kh) // sh + 1
     wo = (x.shape[2] - kw) // sw + 1
     views = [lax.slice(x, (0, i, j, 0), (x.shape[0], i + sh * (ho - 1) + 1,
