@@ -93,6 +93,9 @@ def get_config() -> ml_collections.ConfigDict:
     #                                what the first compiled; False: off for the process
     c.compilation_cache_dir = ""   # "": a directory set in jax already (JAX_COMPILATION_CACHE_DIR),
     #                                else $XDG_CACHE_HOME/trjax/xla or ~/.cache/trjax/xla
+    c.executable_store = True      # with the cache: the compiled steps also stored whole, keyed by
+    #                                config, data, code and versions, so a warm start traces
+    #                                nothing (trjax.executables; single-process CPU runs)
     # multi-host (jax.distributed): see scripts/launch_local.py for N processes on one machine
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator = ""         # "host:port" of process 0

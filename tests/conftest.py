@@ -37,6 +37,19 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def restore_jax_cache():
+    """For tests that change process-wide jax cache settings: puts the session's back."""
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+    keys = ("jax_compilation_cache_dir", "jax_enable_compilation_cache",
+            "jax_persistent_cache_min_compile_time_secs")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    yield
+    for k, v in saved.items():
+        jax.config.update(k, v)
+    jax_cache.reset_cache()
+
+
 @pytest.fixture(scope="session")
 def tiny_time_to_accuracy(tmp_path_factory):
     """One tiny ``--time_to_accuracy`` run (helpers.run_tiny_time_to_accuracy) for the

@@ -115,7 +115,7 @@ class CompiledStep:
         self.signature = signature
         self.compile_s = compile_s
         self.lowered_text = lowered_text
-        self.donate_argnums = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
+        self.donate_argnums = _argnums(donate_argnums)
         self.calls = 0
         self._paths = [jax.tree_util.keystr(p) for p, _ in
                        jax.tree_util.tree_flatten_with_path(signature)[0]]
@@ -248,18 +248,30 @@ def dealias(tree, seen: set | None = None):
     return jax.tree_util.tree_map(one, tree)
 
 
-def compile_step(name: str, fn: Callable, *example_args, donate_argnums=()) -> CompiledStep:
+def compile_step(name: str, fn: Callable, *example_args, donate_argnums=(),
+                 store=None) -> CompiledStep:
     """Lowers and compiles ``fn`` for the shapes/shardings of ``example_args``.
 
     ``example_args`` may be arrays or ``jax.ShapeDtypeStruct`` with sharding;
     nothing is executed. Arguments in ``donate_argnums`` are donated: their
     buffers are reused for the outputs, so the caller must not use them again.
+
+    ``store``: a :class:`trjax.executables.ExecutableStore`; the executable is
+    loaded from it when present (nothing is traced: ``compile_s`` is then the
+    load's seconds), else compiled and stored.
     """
     sig = abstract(example_args)
     t0 = time.perf_counter()
-    lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*sig)
-    compiled = lowered.compile()
-    step = CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums,
-                        lowered.as_text())
+    lower = lambda: jax.jit(fn, donate_argnums=donate_argnums).lower(*sig)
+    if store is None:
+        lowered = lower()
+        compiled, text = lowered.compile(), lowered.as_text()
+    else:
+        compiled, text = store.build(store.key(name, fn, sig, _argnums(donate_argnums)), lower)
+    step = CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums, text)
     step.fn = fn  # the function compiled (scripts/benchmark.py compiles it again undonated)
     return step
+
+
+def _argnums(donate_argnums) -> tuple:
+    return (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)

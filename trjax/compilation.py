@@ -22,7 +22,9 @@ was found (``/jax/compilation_cache/cache_misses`` is jax's name for an entry
 *written*). ``CompileLog`` listens to them while open and files each build
 under the phase the training thread is in (``with log.phase("train"):``);
 builds on other threads (an asynchronous checkpoint writer) are filed under
-``"background"``. Source of the event names: ``jax/_src/dispatch.py``,
+``"background"``. A program loaded whole from trjax's executable store
+(:mod:`trjax.executables`, nothing traced) reports ``STORE_LOAD_EVENT`` instead
+and is filed as such. Source of the event names: ``jax/_src/dispatch.py``,
 ``jax/_src/compiler.py`` (``compile_or_get_cached``),
 ``jax/_src/compilation_cache.py``.
 """
@@ -44,6 +46,7 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # recorded when an entry is written
+STORE_LOAD_EVENT = "/trjax/executable_store/load"  # trjax.executables: loaded, not traced
 BACKGROUND = "background"
 
 
@@ -134,7 +137,9 @@ def program_key(name: str) -> str:
 class Build:
     """One executable built: ``phase``, ``program`` (jax's name for it),
     ``seconds`` (wall), ``cache``: ``"hit"`` (loaded from the persistent cache),
-    ``"miss"`` (looked up, not found, compiled) or ``"off"`` (compiled, no cache)."""
+    ``"store"`` (loaded whole from trjax's executable store, nothing traced:
+    :mod:`trjax.executables`), ``"miss"`` (looked up, not found, compiled) or
+    ``"off"`` (compiled, no cache)."""
     phase: str
     program: str
     seconds: float
@@ -142,8 +147,8 @@ class Build:
 
     @property
     def compiled(self) -> bool:
-        """True when XLA compiled it (not loaded from the cache)."""
-        return self.cache != "hit"
+        """True when XLA compiled it (not loaded from a cache)."""
+        return self.cache not in ("hit", "store")
 
 
 class CompileLog:
@@ -175,12 +180,15 @@ class CompileLog:
                 self.writes += 1
 
     def _duration(self, event: str, duration: float, **kwargs) -> None:
-        if event != BACKEND_COMPILE_EVENT:
+        if event == STORE_LOAD_EVENT:
+            cache = "store"
+        elif event == BACKEND_COMPILE_EVENT:
+            hit = getattr(self._pending, "hit", False)
+            lookup = getattr(self._pending, "lookup", False)
+            self._pending.hit = self._pending.lookup = False
+            cache = "hit" if hit else ("miss" if lookup and cache_dir() else "off")
+        else:
             return
-        hit = getattr(self._pending, "hit", False)
-        lookup = getattr(self._pending, "lookup", False)
-        self._pending.hit = self._pending.lookup = False
-        cache = "hit" if hit else ("miss" if lookup and cache_dir() else "off")
         phase = self._phases[-1] if threading.get_ident() == self._owner else BACKGROUND
         with self._lock:
             self.builds.append(Build(phase, str(kwargs.get("fun_name", "")), float(duration), cache))
@@ -242,24 +250,38 @@ class CompileLog:
         return dict(out)
 
     def cache_summary(self) -> dict:
-        """``{"dir", "hits", "misses", "writes", "compile_s", "load_s"}``: the
-        persistent cache over the whole log (``misses``: looked up, not found,
-        compiled; ``compile_s``: seconds XLA compiled; ``load_s``: seconds of
-        the builds served from the cache)."""
+        """``{"dir", "hits", "store_hits", "misses", "writes", "compile_s",
+        "load_s"}``: the persistent cache over the whole log (``store_hits``:
+        executables loaded whole from the executable store, untraced;
+        ``misses``: looked up, not found, compiled; ``compile_s``: seconds XLA
+        compiled; ``load_s``: seconds of the builds served from either)."""
         builds = list(self.builds)
         return {"dir": cache_dir(),
                 "hits": sum(b.cache == "hit" for b in builds),
+                "store_hits": sum(b.cache == "store" for b in builds),
                 "misses": sum(b.cache == "miss" for b in builds),
                 "writes": self.writes,
                 "compile_s": round(sum(b.seconds for b in builds if b.compiled), 3),
                 "load_s": round(sum(b.seconds for b in builds if not b.compiled), 3)}
 
 
+def module_name(lowered_text: str) -> str:
+    """The program name jax reports for a lowered module (``module @jit_local_step``
+    -> ``jit_local_step``), from its StableHLO or HLO text.
+
+    Raises:
+      ValueError: the text names no module.
+    """
+    m = re.search(r"(?:module|HloModule)\s+@?([\w.$-]+)", lowered_text)
+    if m is None:
+        raise ValueError("no module name in the lowered text")
+    return m.group(1)
+
+
 def step_program(step) -> str:
     """The program name jax reports for a :class:`trjax.aot.CompiledStep`
     (from its lowered module, ``module @jit_local_step``)."""
-    text = getattr(step, "lowered_text", "") or step.compiled.as_text()
-    m = re.search(r"(?:module|HloModule)\s+@?([\w.$-]+)", text)
-    if m is None:
-        raise ValueError(f"{step.name}: no module name in its lowered text")
-    return m.group(1)
+    try:
+        return module_name(getattr(step, "lowered_text", "") or step.compiled.as_text())
+    except ValueError:
+        raise ValueError(f"{step.name}: no module name in its lowered text") from None

@@ -73,7 +73,8 @@ The program runs once, so its speed does not matter."""
 
 
 def create_train_state(rng, model: nn.Module, exchange, world: World,
-                       image_shape: tuple, bn_mode: str, loss_scale: float = 1.0) -> TrainState:
+                       image_shape: tuple, bn_mode: str, loss_scale: float = 1.0,
+                       store=None) -> TrainState:
     """The whole train state from one compiled program, laid out as
     :func:`state_specs` says.
 
@@ -98,6 +99,10 @@ def create_train_state(rng, model: nn.Module, exchange, world: World,
       image_shape: ``(H, W, C)`` of one example.
       bn_mode: ``sync``, ``running`` or ``local``.
       loss_scale: initial loss scale (fp16 dynamic scaling; 1.0 otherwise).
+      store: an :class:`trjax.executables.ExecutableStore` whose key context
+        covers ``model``, ``exchange``, ``world`` and ``bn_mode`` (the trainer's
+        :func:`trjax.trainer.store_context`): the program is loaded from it
+        when present, untraced, else compiled and stored. ``None``: compiled.
 
     Returns:
       A :class:`TrainState` laid out as :func:`state_specs` says.
@@ -136,10 +141,16 @@ def create_train_state(rng, model: nn.Module, exchange, world: World,
     shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp),
                                        state_specs(bn_mode, exchange),
                                        is_leaf=lambda x: isinstance(x, P))
-    lowered = jax.jit(create, out_shardings=shardings).lower(seed)
     options = ({"xla_backend_optimization_level": INIT_CPU_OPTIMIZATION_LEVEL}
                if world.devices[0].platform == "cpu" else None)
-    state = lowered.compile(compiler_options=options)(seed)
+    sig = jax.ShapeDtypeStruct(seed.shape, seed.dtype, sharding=seed.sharding)
+    lower = lambda: jax.jit(create, out_shardings=shardings).lower(seed)
+    if store is None:
+        compiled = lower().compile(compiler_options=options)
+    else:
+        compiled, _ = store.build(store.key("create_train_state", create, (
+            sig, image_shape, bn_mode, loss_scale), (), options), lower, options)
+    state = compiled(seed)
     check_replicas_identical(state.params)
     return state
 

@@ -27,12 +27,12 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import (checkpoint, compilation, distributed, host, input_pipeline, loop_io,
-                   metrics_log, stops)
+from trjax import (checkpoint, compilation, distributed, executables, host, input_pipeline,
+                   loop_io, metrics_log, stops)
 from trjax.loop_io import MetricsReader  # noqa: F401  (its home before loop_io)
 # the trainer's pieces, also reached as trjax.train.<name> (the loop calls evaluate_pass
 # through this module, so a test may wrap it here)
-from trjax.trainer import Trainer, evaluate_pass, prepare, setup  # noqa: F401
+from trjax.trainer import Trainer, evaluate_pass, prepare, setup, store_context  # noqa: F401
 from trjax.workdir import check_writable, holds_workdir
 from trjax.world import host_value
 
@@ -151,7 +151,9 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
         say(f"config changed on resume: {change}")
     loop_io.parse_profile_steps(config.profile_steps)  # a bad value: error before compiling
     t = time.perf_counter()
-    tr = setup(config, prepared=prepared)
+    store = executables.open_store(config.executable_store, compilation.cache_dir(),
+                                   store_context(prepared))
+    tr = setup(config, prepared=prepared, store=store)
     seconds["setup"] = time.perf_counter() - t
     for c in tr.compiled:  # setup's builds of each step's program, filed under its name
         compiles.refile("startup", compilation.step_program(c), c.name)
@@ -167,10 +169,12 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
         f"bn_mode={config.bn_mode} precision={config.precision}")
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
                                 for b, n in plan.bucket_elements.items()) +
-        f"; steps built in {sum(c.compile_s for c in tr.compiled):.1f}s (traced, then compiled "
-        "or loaded from the compilation cache)")
+        f"; steps built in {sum(c.compile_s for c in tr.compiled):.1f}s (loaded whole from the "
+        "executable store, or traced, then compiled or loaded from the compilation cache)")
     say(f"compilation cache: {compilation.cache_dir() or 'off'} (start-up: "
-        f"{sum(not b.compiled for b in compiles.builds)} programs loaded, "
+        f"{sum(b.cache == 'store' for b in compiles.builds)} programs loaded untraced from the "
+        f"executable store{'' if store else ' (off)'}, "
+        f"{sum(b.cache == 'hit' for b in compiles.builds)} from the cache, "
         f"{sum(b.compiled for b in compiles.builds)} compiled)")
 
     # -- every process must run the same job from the same parameters ---------

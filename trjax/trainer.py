@@ -9,6 +9,7 @@ validation pass. The loop that drives them is :mod:`trjax.train`.
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import jax
@@ -99,8 +100,22 @@ def prepare(config: ml_collections.ConfigDict,
                    compute_dtype(config.precision))
 
 
+def store_context(tr: Trainer) -> tuple:
+    """What the step functions :func:`setup` builds close over, for the key of
+    an :class:`trjax.executables.ExecutableStore`: the whole config, the
+    data's shape, dtype, class count, mean, std and size, the model, the plan's
+    bucket layout and the steps per epoch (the learning-rate schedule)."""
+    data = tr.data
+    return (json.dumps(tr.config.to_dict(), sort_keys=True, default=repr),
+            (tr.data.image_shape, str(data.image_dtype), data.num_classes, data.mean, data.std,
+             len(data.train.labels), len(data.val.labels)),
+            repr(tr.model), repr(dataclasses.replace(tr.plan, memory=None)), tr.steps_per_epoch,
+            str(tr.dtype), tr.exchange.name, repr(tr.world.mesh))
+
+
 def setup(config: ml_collections.ConfigDict,
-          data: input_pipeline.Dataset | None = None, prepared: Trainer | None = None) -> Trainer:
+          data: input_pipeline.Dataset | None = None, prepared: Trainer | None = None,
+          store=None) -> Trainer:
     """:func:`prepare`, then the train state and the compiled steps.
 
     The four steps are compiled here, once, with the train state donated;
@@ -111,6 +126,9 @@ def setup(config: ml_collections.ConfigDict,
       data: a :class:`trjax.input_pipeline.Dataset` to use instead of
         ``config.dataset`` (arrays already in memory).
       prepared: the output of :func:`prepare` for this config, if already built.
+      store: an :class:`trjax.executables.ExecutableStore` keyed with
+        :func:`store_context` of ``prepared``: programs found there are loaded
+        without tracing, the others are compiled and stored.
 
     Raises:
       ValueError: an invalid config, device spec or batch split (before
@@ -121,7 +139,7 @@ def setup(config: ml_collections.ConfigDict,
     fp16 = config.precision == "fp16"
     state = create_train_state(config.seed, model, tr.exchange, world,
                                data.image_shape, config.bn_mode,
-                               loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
+                               loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0, store=store)
 
     def example(n):
         return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
@@ -136,13 +154,15 @@ def setup(config: ml_collections.ConfigDict,
             model, tr.exchange, plan, world, config.bn_mode, dynamic_loss_scale=fp16,
             growth_interval=config.loss_scale_growth_interval,
             grad_accumulation_steps=config.grad_accumulation_steps),
-        state, example(world.global_batch_size), donate_argnums=0)
-    fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state)
+        state, example(world.global_batch_size), donate_argnums=0, store=store)
+    fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state,
+                               store=store)
     folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
     eval_step = aot.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
                                  state.params, folded, example(config.eval_batch_size),
-                                 acc_shape, donate_argnums=3)
-    eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
+                                 acc_shape, donate_argnums=3, store=store)
+    eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape,
+                                   store=store)
     return dataclasses.replace(tr, plan=plan.with_memory(train_step.memory()), state=state,
                                train_step=train_step, fold_bn=fold_bn, eval_step=eval_step,
                                eval_reduce=eval_reduce)

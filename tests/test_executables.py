@@ -1,0 +1,144 @@
+"""The executable store: a warm start loads the compiled steps whole, untraced,
+and they compute exactly what freshly compiled ones do; any change to what
+determined a program gives another key; a damaged entry is compiled again."""
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import small_config
+
+from trjax import aot, compilation, executables, input_pipeline, trainer
+from trjax.world import make_world
+
+
+def _store(tmp_path, context=("ctx",)):
+    return executables.ExecutableStore(str(tmp_path / executables.SUBDIR), context)
+
+
+def test_a_second_setup_loads_every_program_untraced_and_computes_the_same_bits(
+        tmp_path, restore_jax_cache):
+    compilation.configure_cache(True, str(tmp_path / "xla"))  # a cold cache: XLA compiles
+    c = small_config(num_epochs=1)
+    first = trainer.prepare(c)
+    tr1 = trainer.setup(c, prepared=first,
+                        store=_store(tmp_path, trainer.store_context(first)))
+    names = sorted(f.split("-")[0] for f in os.listdir(tmp_path / executables.SUBDIR))
+    assert names == ["create_train_state", "eval_reduce", "eval_step", "fold_bn", "train_step"]
+
+    second = trainer.prepare(c)  # a new process would build these objects again
+    with compilation.CompileLog() as log:
+        tr2 = trainer.setup(c, prepared=second,
+                            store=_store(tmp_path, trainer.store_context(second)))
+    assert [b.cache for b in log.builds] == ["store"] * 5, log.builds
+    assert {compilation.program_key(b.program) for b in log.builds} == {
+        "jit_create", *(compilation.program_key(compilation.step_program(s))
+                        for s in tr2.compiled)}
+    assert tr2.train_step.lowered_text == tr1.train_step.lowered_text
+
+    world = tr1.world
+    batches = list(input_pipeline.iterate_batches(tr1.data.train, world.global_batch_size,
+                                                  shuffle=True, seed=0, epoch=1))[:2]
+    results = []
+    for tr in (tr1, tr2):
+        state = tr.state
+        for b in batches:
+            before = state
+            state, m = tr.train_step(state, input_pipeline.to_device(
+                b, world.sharded(), tr.data.num_classes, tr.dtype))
+            # a loaded train step donates the state as a compiled one does
+            assert jax.tree_util.tree_leaves(before.params)[0].is_deleted()
+        results.append((jax.tree_util.tree_map(np.asarray, state), np.asarray(m.to_host()),
+                        trainer.evaluate_pass(tr, state)["sums"]))
+    (s1, m1, e1), (s2, m2, e2) = results
+    for a, b in zip(jax.tree_util.tree_leaves(s1), jax.tree_util.tree_leaves(s2)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(m1, m2)
+    assert e1 == e2
+
+
+def _fn(x):
+    return jnp.sin(x) * 2.0
+
+
+def _other(x):
+    return jnp.cos(x) * 2.0
+
+
+def test_the_key_changes_with_everything_that_decides_the_program(tmp_path):
+    world = make_world("all", 8)
+    x = jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=world.sharded())
+    store = _store(tmp_path)
+    key = store.key("f", _fn, (x,), (0,))
+    assert key == _store(tmp_path).key("f", _fn, (x,), (0,))  # a new process: the same key
+    y = jax.ShapeDtypeStruct((16, 3), jnp.float32, sharding=world.sharded())
+    z = jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=world.replicated())
+
+    def closing_over(g):
+        return lambda v: g(v)
+
+    others = [store.key("g", _fn, (x,), (0,)),                     # name
+              store.key("f", _other, (x,), (0,)),                  # code
+              store.key("f", _fn, (y,), (0,)),                     # shape
+              store.key("f", _fn, (x.update(dtype=jnp.bfloat16),), (0,)),  # dtype
+              store.key("f", _fn, (z,), (0,)),                     # sharding
+              store.key("f", _fn, (x,), ()),                       # donation
+              store.key("f", _fn, (x,), (0,), {"xla_backend_optimization_level": 1}),
+              _store(tmp_path, ("another config",)).key("f", _fn, (x,), (0,))]
+    assert len({key, *others}) == len(others) + 1
+    # a function closed over counts by its code (a step builder replaced in a test)
+    assert store.key("f", closing_over(_fn), (x,)) != store.key("f", closing_over(_other), (x,))
+    assert store.key("f", closing_over(_fn), (x,)) == store.key("f", closing_over(_fn), (x,))
+
+
+def _sin2():
+    """A new function object each call (jax's in-memory caches do not answer), the same code."""
+    return lambda v: jnp.sin(v) * 2.0
+
+
+def test_a_damaged_entry_is_reported_compiled_again_and_replaced(tmp_path):
+    world = make_world("all", 8)
+    x = jax.device_put(np.arange(24, dtype=np.float32).reshape(8, 3), world.sharded())
+    store = _store(tmp_path)
+    first = aot.compile_step("f", _sin2(), x, store=store)
+    (entry,) = os.listdir(tmp_path / executables.SUBDIR)
+    path = tmp_path / executables.SUBDIR / entry
+    path.write_bytes(b"not a pickle")
+    with pytest.warns(UserWarning, match=r"executable store entry .* is unreadable"):
+        again = aot.compile_step("f", _sin2(), x, store=store)
+    np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
+    with compilation.CompileLog() as log, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = aot.compile_step("f", _sin2(), x, store=store)  # the entry was written again
+    assert [b.cache for b in log.builds] == ["store"]
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(first(x)))
+
+
+def test_only_executables_compiled_in_the_call_are_stored(tmp_path, restore_jax_cache):
+    """XLA:CPU cannot serialize an executable it loaded from jax's persistent cache
+    again (the copy fails at its first call): one jax served from its persistent
+    cache, or from its in-memory cache (it may be such a loaded one), is not stored."""
+    compilation.configure_cache(True, str(tmp_path / "xla"))  # every program cached
+    world = make_world("all", 8)
+    x = jax.device_put(np.arange(24, dtype=np.float32).reshape(8, 3), world.sharded())
+    fresh = aot.compile_step("f", lambda v: jnp.cos(v) * 5.0, x)  # written to jax's cache
+    store = _store(tmp_path)
+    again = lambda v: jnp.cos(v) * 5.0  # a new function object: jax looks up its disk cache
+    with compilation.CompileLog() as log:
+        served = aot.compile_step("f", again, x, store=store)
+        repeated = aot.compile_step("f", again, x, store=store)  # jax's in-memory cache
+    assert [b.cache for b in log.builds] == ["hit"]
+    assert not os.path.exists(tmp_path / executables.SUBDIR)  # nothing stored
+    for step in (served, repeated):
+        np.testing.assert_array_equal(np.asarray(step(x)), np.asarray(fresh(x)))
+
+
+def test_open_store(tmp_path):
+    assert executables.open_store(False, str(tmp_path), ()) is None
+    assert executables.open_store(True, None, ()) is None  # the compilation cache is off
+    store = executables.open_store(True, str(tmp_path), ())
+    assert store.directory == str(tmp_path / executables.SUBDIR)
+    with pytest.raises(ValueError, match="executable_store='yes' must be True or False"):
+        executables.open_store("yes", str(tmp_path), ())

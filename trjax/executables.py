@@ -1,0 +1,278 @@
+"""Compiled steps stored whole on disk, so that a warm start traces nothing.
+
+JAX's persistent compilation cache (:mod:`trjax.compilation`) keys an
+executable by the lowered program, so every start still traces each step in
+Python and lowers it to StableHLO before it can look the key up. For the main
+job on 2 cores that is ~1.3 s of a 2.3 s warm start-up (the train step: trace
+0.65 s, lowering 0.3 s; the state initialisation 0.3 s), while loading the
+finished executables takes 0.47 s.
+
+An :class:`ExecutableStore` keys each executable by what determines the
+program instead, so that it can be looked up before tracing:
+
+* the program: its name, the code of the function traced (a step builder
+  replaced in a test or a notebook changes it), the abstract arguments
+  (shapes, dtypes, shardings), the donated arguments and compile options;
+* the caller's context, which fixes everything the function closes over
+  (:func:`trjax.trainer.setup` passes the whole config, the data's image
+  shape, dtype, class count, mean and std, and the plan's bucket layout);
+* the environment (:func:`environment`): a digest of every trjax source
+  file, the versions of Python, jax, jaxlib, flax, optax and numpy, every
+  jax config value, ``XLA_FLAGS`` and the backend (platform, version, device
+  ids and kinds, process count and index).
+
+An entry is the executable serialized by jax
+(``jax.experimental.serialize_executable``, the format jax's own cache
+stores) with its argument and result trees and the lowered module's name
+and text, pickled into ``<compilation cache dir>/trjax_executables/<key>``
+and written atomically. An entry that cannot be read is reported and
+replaced. Entries are pickles: as for jax's cache directory, it must be
+the user's own (loading one runs code from it).
+
+Scope: single-process CPU runs (``jax.process_count() == 1``), the case
+measured and tested; elsewhere :func:`open_store` returns ``None`` and every
+start traces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import os
+import pickle
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from typing import Any, Callable
+
+import jax
+from jax.experimental import serialize_executable
+
+from trjax.compilation import (BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, STORE_LOAD_EVENT,
+                               module_name)
+
+LOAD_EVENT = STORE_LOAD_EVENT
+"""``jax.monitoring`` duration event recorded for each executable loaded from
+the store (``fun_name``: the module name); :class:`trjax.compilation.CompileLog`
+files it as a build served from the store."""
+
+SUBDIR = "trjax_executables"
+_FORMAT = 1  # bump when the entry layout changes
+
+
+@functools.cache
+def source_digest() -> str:
+    """SHA-256 of every ``.py`` file of the trjax package (relative path and bytes)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for f in sorted(filenames):
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                h.update(os.path.relpath(path, root).encode())
+                with open(path, "rb") as fh:
+                    h.update(fh.read())
+    return h.hexdigest()
+
+
+def environment() -> dict:
+    """What besides the program and its context decides the executable: library
+    versions, jax's config values, ``XLA_FLAGS``, the backend and its devices."""
+    import flax
+    import jaxlib
+    import numpy
+    import optax
+    devices = jax.devices()
+    return {
+        "format": _FORMAT, "trjax_source": source_digest(), "python": sys.version,
+        "versions": [jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__,
+                     numpy.__version__],
+        "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "backend": [devices[0].platform, devices[0].client.platform_version,
+                    jax.process_count(), jax.process_index()],
+        "devices": [(d.id, d.device_kind, d.process_index) for d in devices],
+    }
+
+
+def _code_digest(fn) -> str:
+    """A digest of the code ``fn`` runs: its qualified name, bytecode, constants
+    and names, with those of the nested functions it defines and of the
+    functions it closes over (also inside tuples, e.g. an exchange's
+    ``update``); other closed-over values count by type only (the caller's
+    context describes them)."""
+    h = hashlib.sha256()
+    seen: set = set()
+
+    def add_code(c):
+        h.update(getattr(c, "co_qualname", c.co_name).encode())
+        h.update(c.co_code)
+        h.update(repr(c.co_names).encode())
+        for k in c.co_consts:
+            if hasattr(k, "co_code"):
+                add_code(k)
+            else:
+                h.update(repr(k).encode())
+
+    def add(f):
+        if id(f) in seen:
+            return
+        seen.add(id(f))
+        f = getattr(f, "func", f)  # functools.partial
+        code = getattr(f, "__code__", None)
+        if code is None:
+            h.update(type(f).__qualname__.encode())
+            return
+        h.update(f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', '')}".encode())
+        add_code(code)
+        for cell in f.__closure__ or ():
+            try:
+                v = cell.cell_contents
+            except ValueError:  # an empty cell
+                continue
+            items = v if isinstance(v, tuple) else (v,)
+            for x in items:
+                if callable(x) and hasattr(getattr(x, "func", x), "__code__"):
+                    add(x)
+                else:
+                    h.update(type(x).__qualname__.encode())
+
+    add(fn)
+    return h.hexdigest()
+
+
+def _describe(tree) -> str:
+    """The tree structure of abstract arguments and each leaf's shape, dtype
+    and sharding (other leaves, e.g. Python numbers: their ``repr``)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return repr(treedef) + repr([(tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None)))
+                                 if hasattr(x, "shape") else repr(x) for x in leaves])
+
+
+class ExecutableStore:
+    """Compiled executables on disk under a key of what determined them (module docstring).
+
+    Args:
+      directory: the folder of the entries (created on the first write).
+      context: the caller's description of everything its step functions
+        close over (a JSON-able or ``repr``-able value).
+    """
+
+    def __init__(self, directory: str, context):
+        self.directory = directory
+        self._base = repr((environment(), context))
+
+    def key(self, name: str, fn, args, donate_argnums=(), options=None) -> str:
+        """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``."""
+        h = hashlib.sha256(self._base.encode())
+        h.update(repr((name, _code_digest(fn), _describe(args), tuple(donate_argnums),
+                       sorted((options or {}).items()))).encode())
+        return f"{name}-{h.hexdigest()[:40]}"
+
+    def build(self, key: str, lower: Callable[[], Any], compiler_options=None):
+        """``(compiled, lowered_text)``: entry ``key`` loaded (nothing traced),
+        else ``lower()`` (a ``jax.stages.Lowered``) compiled and stored.
+
+        Only an executable XLA compiled here, in this call, is stored: XLA:CPU
+        cannot serialize an executable it loaded from jax's persistent cache
+        again (measured with jax 0.10: the copy fails at its first call with
+        "Function ... not found"), and one jax found in its in-memory cache may
+        be such a loaded one."""
+        found = self.load(key)
+        if found is not None:
+            return found[0], found[2]
+        lowered = lower()
+        with _compiled_here() as built:
+            compiled = lowered.compile(compiler_options=compiler_options)
+        text = lowered.as_text()
+        if built["compiled"] and not built["hit"]:
+            self.save(key, compiled, module_name(text), text)
+        return compiled, text
+
+    def load(self, key: str):
+        """``(compiled, module_name, lowered_text)`` of entry ``key``, or ``None``.
+
+        Records :data:`LOAD_EVENT` with the load's seconds. An unreadable
+        entry is reported (a warning) and treated as absent."""
+        path = os.path.join(self.directory, key)
+        if not os.path.isfile(path):
+            return None
+        t = time.perf_counter()
+        try:
+            with open(path, "rb") as f:
+                payload, in_tree, out_tree, module, text = pickle.load(f)
+            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # noqa: BLE001 - a damaged entry: compile as if absent
+            warnings.warn(f"trjax: executable store entry {path} is unreadable "
+                          f"({type(e).__name__}: {str(e)[:200]}); compiling instead")
+            return None
+        jax.monitoring.record_event_duration_secs(LOAD_EVENT, time.perf_counter() - t,
+                                                  fun_name=module)
+        return compiled, module, text
+
+    def save(self, key: str, compiled, module: str, text: str) -> bool:
+        """Writes entry ``key`` atomically; False (and a warning) when the
+        executable cannot be serialized or the folder cannot be written."""
+        try:
+            payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            os.makedirs(self.directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    pickle.dump((payload, in_tree, out_tree, module, text), f,
+                                protocol=pickle.HIGHEST_PROTOCOL)
+                os.replace(tmp, os.path.join(self.directory, key))
+            except BaseException:
+                os.unlink(tmp)
+                raise
+        except Exception as e:  # noqa: BLE001 - the run goes on; the next start traces
+            warnings.warn(f"trjax: executable store: {key} not stored "
+                          f"({type(e).__name__}: {str(e)[:200]})")
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _compiled_here():
+    """A dict that, after the block, says whether XLA compiled something on this
+    thread inside it (``compiled``: jax reported a backend build) and whether jax
+    served one from its persistent cache (``hit``). A build jax found in its
+    in-memory cache reports neither."""
+    seen, me = {"compiled": False, "hit": False}, threading.get_ident()
+
+    def on_event(event: str, **kwargs) -> None:
+        if event == CACHE_HIT_EVENT and threading.get_ident() == me:
+            seen["hit"] = True
+
+    def on_duration(event: str, duration: float, **kwargs) -> None:
+        if event == BACKEND_COMPILE_EVENT and threading.get_ident() == me:
+            seen["compiled"] = True
+
+    jax.monitoring.register_event_listener(on_event)
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    try:
+        yield seen
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
+        jax.monitoring.unregister_event_duration_listener(on_duration)
+
+
+def open_store(enabled: bool, cache_dir: str | None, context) -> ExecutableStore | None:
+    """The store under ``cache_dir`` (the persistent compilation cache's
+    folder, :func:`trjax.compilation.cache_dir`), or ``None`` when ``enabled``
+    is False, the compilation cache is off, or the run is not a
+    single-process CPU run.
+
+    Raises:
+      ValueError: ``enabled`` is not a bool (``config.executable_store``).
+    """
+    if not isinstance(enabled, bool):
+        raise ValueError(f"config.executable_store={enabled!r} must be True or False")
+    if not enabled or not cache_dir or jax.process_count() != 1 or \
+            jax.devices()[0].platform != "cpu":
+        return None
+    return ExecutableStore(os.path.join(cache_dir, SUBDIR), context)
