@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from helpers import small_config
 
-from trjax import aot, compilation, executables, input_pipeline, trainer
+from trjax import aot, compilation, executables, input_pipeline, steps, trainer
+from trjax.state import train_state_program
 from trjax.world import make_world
 
 
@@ -57,6 +58,37 @@ def test_a_second_setup_loads_every_program_untraced_and_computes_the_same_bits(
         np.testing.assert_array_equal(a, b)
     np.testing.assert_array_equal(m1, m2)
     assert e1 == e2
+
+
+def _lowered_train_step(config) -> str:
+    tr = trainer.prepare(config)
+    init = train_state_program(config.seed, tr.model, tr.exchange, tr.world, tr.data.image_shape,
+                               config.bn_mode)
+    batch = {k: jax.ShapeDtypeStruct((config.global_batch_size,) + shape, dtype,
+                                     sharding=tr.world.sharded())
+             for k, shape, dtype in (("image", tr.data.image_shape, np.uint8),
+                                     ("label", (), np.int32), ("mask", (), np.float32))}
+    step = steps.make_train_step(tr.model, tr.exchange, tr.plan, tr.world, config.bn_mode)
+    return jax.jit(step, donate_argnums=0).lower(init.abstract, batch).as_text()
+
+
+def test_config_keys_left_out_of_the_key_do_not_enter_the_programs():
+    """trainer.OUTSIDE_PROGRAMS (left out of the store's key): all of them changed at
+    once, the train step lowers to the same text and the key context is the same."""
+    changed = dict(checkpoint_async=False, checkpoint_every_steps=5, compilation_cache=False,
+                   compilation_cache_dir="/elsewhere", data_workers=0,
+                   executable_store=False, halt_after_steps=3, halt_on_nonfinite=True,
+                   keep_checkpoints=1, log_every_steps=0, max_consecutive_overflows=2,
+                   metrics_lag=2, preemption_check_every_steps=7, prefetch=0,
+                   profile_steps="1:2", progress=False, resume=False, skip_bad_images=True,
+                   step_timeout_s=60, tensorboard=False, verify_images=True)
+    # data_dir: digits reads no folder (the data itself is described by the context)
+    assert set(changed) == set(trainer.OUTSIDE_PROGRAMS) - {"distributed", "data_dir"}
+    base, other = small_config(), small_config(**changed)
+    other.distributed.coordinator = "localhost:1234"
+    assert trainer.store_context(trainer.prepare(base)) == \
+        trainer.store_context(trainer.prepare(other))
+    assert _lowered_train_step(base) == _lowered_train_step(other)
 
 
 def _fn(x):
@@ -116,23 +148,33 @@ def test_a_damaged_entry_is_reported_compiled_again_and_replaced(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(first(x)))
 
 
-def test_only_executables_compiled_in_the_call_are_stored(tmp_path, restore_jax_cache):
+def test_a_program_in_jax_cache_is_compiled_again_for_the_store(tmp_path, restore_jax_cache):
     """XLA:CPU cannot serialize an executable it loaded from jax's persistent cache
-    again (the copy fails at its first call): one jax served from its persistent
-    cache, or from its in-memory cache (it may be such a loaded one), is not stored."""
+    again (the copy fails at its first call): the store compiles with jax's cache
+    off, so a program jax has cached is compiled anew, stored, and its stored copy
+    runs; jax's cache is on again afterwards. One that jax's in-memory cache
+    answers (it may be such a loaded one) is not stored."""
     compilation.configure_cache(True, str(tmp_path / "xla"))  # every program cached
     world = make_world("all", 8)
     x = jax.device_put(np.arange(24, dtype=np.float32).reshape(8, 3), world.sharded())
-    fresh = aot.compile_step("f", lambda v: jnp.cos(v) * 5.0, x)  # written to jax's cache
-    store = _store(tmp_path)
-    again = lambda v: jnp.cos(v) * 5.0  # a new function object: jax looks up its disk cache
+    make = lambda: (lambda v: jnp.cos(v) * 5.0)  # new function objects, the same code
+    fresh = aot.compile_step("f", make(), x)  # compiled, written to jax's cache
     with compilation.CompileLog() as log:
-        served = aot.compile_step("f", again, x, store=store)
-        repeated = aot.compile_step("f", again, x, store=store)  # jax's in-memory cache
-    assert [b.cache for b in log.builds] == ["hit"]
-    assert not os.path.exists(tmp_path / executables.SUBDIR)  # nothing stored
-    for step in (served, repeated):
+        aot.compile_step("f", make(), x)  # (without the store: served by jax's cache)
+        stored = aot.compile_step("f", make(), x, store=_store(tmp_path))
+        loaded = aot.compile_step("f", make(), x, store=_store(tmp_path))
+    assert [b.cache for b in log.builds] == ["hit", "off", "store"]
+    assert jax.config.jax_enable_compilation_cache
+    for step in (stored, loaded):
         np.testing.assert_array_equal(np.asarray(step(x)), np.asarray(fresh(x)))
+
+    again = make()
+    aot.compile_step("g", again, x)
+    with compilation.CompileLog() as log:
+        repeated = aot.compile_step("g", again, x, store=_store(tmp_path / "other"))
+    assert log.builds == []  # jax's in-memory cache answered
+    assert not os.path.exists(tmp_path / "other")  # nothing stored
+    np.testing.assert_array_equal(np.asarray(repeated(x)), np.asarray(fresh(x)))
 
 
 def test_open_store(tmp_path):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import os
 import re
@@ -151,13 +152,22 @@ class Build:
         return self.cache not in ("hit", "store")
 
 
+_PHASES: contextvars.ContextVar = contextvars.ContextVar("trjax_compile_phases", default=())
+"""``((id(log), phase), ...)``: the open :class:`CompileLog` phases of the
+current context, innermost last (a ``ContextVar``, so a thread run in a copy
+of the opener's context, ``contextvars.copy_context().run``, carries them)."""
+
+
 class CompileLog:
     """Every executable jax builds while the log is open, filed by phase.
 
     Use as a context manager (registers the ``jax.monitoring`` listeners on
     entry, removes them on exit); ``with log.phase(name):`` sets the phase of
-    builds on the thread that opened the log (phases nest; the innermost
-    counts). Builds on other threads are filed under ``"background"``.
+    builds in the opener's context (phases nest; the innermost counts). A
+    thread run in a copy of that context (``contextvars.copy_context().run``,
+    as :func:`trjax.trainer.setup` runs the state initialisation beside the
+    steps' compiles) files its builds under the phase current at the copy;
+    builds on other threads (e.g. a checkpoint writer) under ``"background"``.
 
     Attributes:
       builds: list of :class:`Build`, in event order.
@@ -167,10 +177,16 @@ class CompileLog:
     def __init__(self, phase: str = "startup"):
         self.builds: list[Build] = []
         self.writes = 0
-        self._phases = [phase]
-        self._owner = threading.get_ident()
+        self._phase0 = phase
+        self._tokens: list = []
         self._pending = threading.local()
         self._lock = threading.Lock()
+
+    def _current_phase(self) -> str:
+        for log_id, phase in reversed(_PHASES.get()):
+            if log_id == id(self):
+                return phase
+        return BACKGROUND
 
     def _event(self, event: str, **kwargs) -> None:
         if event in (CACHE_LOOKUP_EVENT, CACHE_HIT_EVENT):
@@ -189,11 +205,12 @@ class CompileLog:
             cache = "hit" if hit else ("miss" if lookup and cache_dir() else "off")
         else:
             return
-        phase = self._phases[-1] if threading.get_ident() == self._owner else BACKGROUND
+        phase = self._current_phase()
         with self._lock:
             self.builds.append(Build(phase, str(kwargs.get("fun_name", "")), float(duration), cache))
 
     def __enter__(self) -> "CompileLog":
+        self._tokens.append(_PHASES.set(_PHASES.get() + ((id(self), self._phase0),)))
         jax.monitoring.register_event_listener(self._event)
         jax.monitoring.register_event_duration_secs_listener(self._duration)
         return self
@@ -201,15 +218,16 @@ class CompileLog:
     def __exit__(self, *exc) -> None:
         jax.monitoring.unregister_event_listener(self._event)
         jax.monitoring.unregister_event_duration_listener(self._duration)
+        _PHASES.reset(self._tokens.pop())
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        """Files the opening thread's builds inside the block under ``name``."""
-        self._phases.append(name)
+        """Files the builds of the opener's context inside the block under ``name``."""
+        token = _PHASES.set(_PHASES.get() + ((id(self), name),))
         try:
             yield self
         finally:
-            self._phases.pop()
+            _PHASES.reset(token)
 
     def refile(self, phase: str, program: str, to_phase: str) -> None:
         """Moves the builds of ``program`` (by :func:`program_key`) filed under

@@ -29,6 +29,14 @@ and written atomically. An entry that cannot be read is reported and
 replaced. Entries are pickles: as for jax's cache directory, it must be
 the user's own (loading one runs code from it).
 
+A program the store misses is compiled by XLA with jax's persistent cache
+off: XLA:CPU cannot serialize an executable it loaded from that cache again
+(the copy fails at its first call), so a program served from there could
+never enter the store. The programs the store holds live in it only; the
+first start after a change to trjax's code (or an upgrade) compiles them in
+full once. ``config.executable_store=False`` gives jax's cache back to them
+(each start traces and lowers, and an unchanged program still loads).
+
 Scope: single-process CPU runs (``jax.process_count() == 1``), the case
 measured and tested; elsewhere :func:`open_store` returns ``None`` and every
 start traces.
@@ -175,23 +183,30 @@ class ExecutableStore:
 
     def build(self, key: str, lower: Callable[[], Any], compiler_options=None):
         """``(compiled, lowered_text)``: entry ``key`` loaded (nothing traced),
-        else ``lower()`` (a ``jax.stages.Lowered``) compiled and stored.
-
-        Only an executable XLA compiled here, in this call, is stored: XLA:CPU
-        cannot serialize an executable it loaded from jax's persistent cache
-        again (measured with jax 0.10: the copy fails at its first call with
-        "Function ... not found"), and one jax found in its in-memory cache may
-        be such a loaded one."""
+        else ``lower()`` (a ``jax.stages.Lowered``) compiled and stored
+        (:meth:`compile`)."""
         found = self.load(key)
         if found is not None:
             return found[0], found[2]
         lowered = lower()
-        with _compiled_here() as built:
+        return self.compile(key, lowered, compiler_options), lowered.as_text()
+
+    def compile(self, key: str, lowered, compiler_options=None):
+        """``lowered.compile(compiler_options)``, stored as entry ``key``.
+
+        XLA compiles it with jax's persistent cache off (neither read nor
+        written): XLA:CPU cannot serialize an executable it loaded from that
+        cache again (measured with jax 0.10: the copy fails at its first call
+        with "Function ... not found"), so a program served from there could
+        never enter the store. Programs the store holds thus live in the store
+        only. Only an executable XLA compiled in this call is stored (one jax
+        found in its in-memory cache may be a loaded one). Thread-safe."""
+        with _without_persistent_cache(), _compiled_here() as built:
             compiled = lowered.compile(compiler_options=compiler_options)
-        text = lowered.as_text()
         if built["compiled"] and not built["hit"]:
+            text = lowered.as_text()
             self.save(key, compiled, module_name(text), text)
-        return compiled, text
+        return compiled
 
     def load(self, key: str):
         """``(compiled, module_name, lowered_text)`` of entry ``key``, or ``None``.
@@ -234,6 +249,33 @@ class ExecutableStore:
                           f"({type(e).__name__}: {str(e)[:200]})")
             return False
         return True
+
+
+_CACHE_OFF = {"lock": threading.Lock(), "depth": 0, "was_on": False}
+"""Nesting count of :func:`_without_persistent_cache` across threads (jax's
+cache switch is process-wide, so the guard of it is too)."""
+
+
+@contextlib.contextmanager
+def _without_persistent_cache():
+    """jax's persistent compilation cache off inside the block (the outermost
+    of concurrent blocks turns it back on, as it was)."""
+    from jax.experimental.compilation_cache import compilation_cache as jax_cache
+    with _CACHE_OFF["lock"]:
+        if _CACHE_OFF["depth"] == 0:
+            _CACHE_OFF["was_on"] = bool(jax.config.jax_enable_compilation_cache)
+            if _CACHE_OFF["was_on"]:
+                jax.config.update("jax_enable_compilation_cache", False)
+                jax_cache.reset_cache()  # jax decides once whether to use the cache
+        _CACHE_OFF["depth"] += 1
+    try:
+        yield
+    finally:
+        with _CACHE_OFF["lock"]:
+            _CACHE_OFF["depth"] -= 1
+            if _CACHE_OFF["depth"] == 0 and _CACHE_OFF["was_on"]:
+                jax.config.update("jax_enable_compilation_cache", True)
+                jax_cache.reset_cache()
 
 
 @contextlib.contextmanager

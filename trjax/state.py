@@ -10,7 +10,7 @@ broadcasts rank 0's parameters bit for bit, all in one compiled program.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import flax
 import flax.linen as nn
@@ -72,11 +72,36 @@ the same bits (checked against the default level for ResNet-20 and, in
 The program runs once, so its speed does not matter."""
 
 
+class TrainStateProgram(NamedTuple):
+    """The state-initialisation program of :func:`train_state_program`, traced
+    (or loaded), not yet compiled or run.
+
+    Attributes:
+      abstract: the :class:`TrainState` it returns, as ``jax.ShapeDtypeStruct``
+        leaves with shardings (what the steps compile against).
+      finish: ``() -> TrainState``: compiles the program (unless it was
+        loaded), runs it and checks the rank-0 broadcast
+        (:func:`check_replicas_identical`). Safe to call on another thread
+        while the steps compile (XLA's compile releases the GIL).
+    """
+    abstract: Any
+    finish: Callable[[], TrainState]
+
+
 def create_train_state(rng, model: nn.Module, exchange, world: World,
                        image_shape: tuple, bn_mode: str, loss_scale: float = 1.0,
                        store=None) -> TrainState:
-    """The whole train state from one compiled program, laid out as
-    :func:`state_specs` says.
+    """The whole train state from one compiled program:
+    ``train_state_program(...).finish()`` (same arguments)."""
+    return train_state_program(rng, model, exchange, world, image_shape, bn_mode,
+                               loss_scale, store).finish()
+
+
+def train_state_program(rng, model: nn.Module, exchange, world: World,
+                        image_shape: tuple, bn_mode: str, loss_scale: float = 1.0,
+                        store=None) -> TrainStateProgram:
+    """The program that makes the whole train state, laid out as
+    :func:`state_specs` says; :attr:`TrainStateProgram.finish` compiles and runs it.
 
     One program (a ``jax.jit`` around a ``shard_map``) does all of it: the PRNG
     key from the seed; on each replica ``model.init`` with its own key
@@ -105,11 +130,10 @@ def create_train_state(rng, model: nn.Module, exchange, world: World,
         when present, untraced, else compiled and stored. ``None``: compiled.
 
     Returns:
-      A :class:`TrainState` laid out as :func:`state_specs` says.
-
-    Raises:
-      RuntimeError: a replica's parameters differ from rank 0's after the
-        broadcast.
+      A :class:`TrainStateProgram`; its ``finish()`` returns the
+      :class:`TrainState`, laid out as :func:`state_specs` says, and raises
+      ``RuntimeError`` when a replica's parameters differ from rank 0's after
+      the broadcast.
     """
     n = world.world_size
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
@@ -144,15 +168,21 @@ def create_train_state(rng, model: nn.Module, exchange, world: World,
     options = ({"xla_backend_optimization_level": INIT_CPU_OPTIMIZATION_LEVEL}
                if world.devices[0].platform == "cpu" else None)
     sig = jax.ShapeDtypeStruct(seed.shape, seed.dtype, sharding=seed.sharding)
-    lower = lambda: jax.jit(create, out_shardings=shardings).lower(seed)
-    if store is None:
-        compiled = lower().compile(compiler_options=options)
-    else:
-        compiled, _ = store.build(store.key("create_train_state", create, (
-            sig, image_shape, bn_mode, loss_scale), (), options), lower, options)
-    state = compiled(seed)
-    check_replicas_identical(state.params)
-    return state
+    key = None if store is None else store.key(
+        "create_train_state", create, (sig, image_shape, bn_mode, loss_scale), (), options)
+    found = None if store is None else store.load(key)
+
+    def run(compiled) -> TrainState:
+        state = compiled(seed)
+        check_replicas_identical(state.params)
+        return state
+
+    if found is not None:
+        return TrainStateProgram(found[0].out_info, lambda: run(found[0]))
+    lowered = jax.jit(create, out_shardings=shardings).lower(seed)
+    compile_ = (lambda: lowered.compile(compiler_options=options)) if store is None else \
+        (lambda: store.compile(key, lowered, options))
+    return TrainStateProgram(lowered.out_info, lambda: run(compile_()))
 
 
 def check_replicas_identical(tree) -> None:

@@ -8,6 +8,8 @@ validation pass. The loop that drives them is :mod:`trjax.train`.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import dataclasses
 import json
 from typing import Any
@@ -23,7 +25,7 @@ from trjax.im2col import resolve_conv_lowering
 from trjax.metrics import METRICS, StepMetrics
 from trjax.plan import build_plan, resolve_kernel_order
 from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
-from trjax.state import create_train_state
+from trjax.state import train_state_program
 from trjax.world import host_value, make_world
 
 
@@ -100,13 +102,29 @@ def prepare(config: ml_collections.ConfigDict,
                    compute_dtype(config.precision))
 
 
+OUTSIDE_PROGRAMS = (
+    "checkpoint_async", "checkpoint_every_steps", "compilation_cache", "compilation_cache_dir",
+    "data_dir", "data_workers", "distributed", "executable_store", "halt_after_steps",
+    "halt_on_nonfinite", "keep_checkpoints", "log_every_steps", "max_consecutive_overflows",
+    "metrics_lag", "preemption_check_every_steps", "prefetch", "profile_steps", "progress",
+    "resume", "skip_bad_images", "step_timeout_s", "tensorboard", "verify_images")
+"""Config keys that enter none of the programs :func:`setup` builds (they steer the
+loop, its I/O and where data and caches live; the data itself is described
+separately): left out of :func:`store_context`, so that runs differing only in
+them (a resume, a drill's ``halt_after_steps``) share stored executables.
+``tests/test_executables.py`` checks that changing all of them leaves the
+lowered train step unchanged."""
+
+
 def store_context(tr: Trainer) -> tuple:
     """What the step functions :func:`setup` builds close over, for the key of
-    an :class:`trjax.executables.ExecutableStore`: the whole config, the
-    data's shape, dtype, class count, mean, std and size, the model, the plan's
-    bucket layout and the steps per epoch (the learning-rate schedule)."""
+    an :class:`trjax.executables.ExecutableStore`: the config (less
+    :data:`OUTSIDE_PROGRAMS`), the data's shape, dtype, class count, mean, std
+    and size, the model, the plan's bucket layout and the steps per epoch (the
+    learning-rate schedule)."""
     data = tr.data
-    return (json.dumps(tr.config.to_dict(), sort_keys=True, default=repr),
+    config = {k: v for k, v in tr.config.to_dict().items() if k not in OUTSIDE_PROGRAMS}
+    return (json.dumps(config, sort_keys=True, default=repr),
             (tr.data.image_shape, str(data.image_dtype), data.num_classes, data.mean, data.std,
              len(data.train.labels), len(data.val.labels)),
             repr(tr.model), repr(dataclasses.replace(tr.plan, memory=None)), tr.steps_per_epoch,
@@ -137,9 +155,9 @@ def setup(config: ml_collections.ConfigDict,
     tr = prepared if prepared is not None else prepare(config, data)
     world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
     fp16 = config.precision == "fp16"
-    state = create_train_state(config.seed, model, tr.exchange, world,
-                               data.image_shape, config.bn_mode,
-                               loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0, store=store)
+    init = train_state_program(config.seed, model, tr.exchange, world, data.image_shape,
+                               config.bn_mode, loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0,
+                               store=store)
 
     def example(n):
         return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
@@ -149,20 +167,26 @@ def setup(config: ml_collections.ConfigDict,
                 "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
     acc_shape = jax.ShapeDtypeStruct((world.world_size, len(METRICS)), np.float32,
                                      sharding=world.sharded())
-    train_step = aot.compile_step(
-        "train_step", steps.make_train_step(
-            model, tr.exchange, plan, world, config.bn_mode, dynamic_loss_scale=fp16,
-            growth_interval=config.loss_scale_growth_interval,
-            grad_accumulation_steps=config.grad_accumulation_steps),
-        state, example(world.global_batch_size), donate_argnums=0, store=store)
-    fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode), state,
-                               store=store)
-    folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
-    eval_step = aot.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
-                                 state.params, folded, example(config.eval_batch_size),
-                                 acc_shape, donate_argnums=3, store=store)
-    eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape,
-                                   store=store)
+    # The state initialisation compiles and runs on a thread of its own while this one
+    # traces and compiles the steps (XLA's compiles release the GIL): cold, the main job's
+    # set-up takes about 2 s less on 2 cores. Its compile is filed under this phase.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trjax-init") as pool:
+        pending_state = pool.submit(contextvars.copy_context().run, init.finish)
+        train_step = aot.compile_step(
+            "train_step", steps.make_train_step(
+                model, tr.exchange, plan, world, config.bn_mode, dynamic_loss_scale=fp16,
+                growth_interval=config.loss_scale_growth_interval,
+                grad_accumulation_steps=config.grad_accumulation_steps),
+            init.abstract, example(world.global_batch_size), donate_argnums=0, store=store)
+        fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode),
+                                   init.abstract, store=store)
+        folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
+        eval_step = aot.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
+                                     init.abstract.params, folded, example(config.eval_batch_size),
+                                     acc_shape, donate_argnums=3, store=store)
+        eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape,
+                                       store=store)
+        state = pending_state.result()
     return dataclasses.replace(tr, plan=plan.with_memory(train_step.memory()), state=state,
                                train_step=train_step, fold_bn=fold_bn, eval_step=eval_step,
                                eval_reduce=eval_reduce)
