@@ -29,9 +29,14 @@ def main(argv):
     config = flags.FLAGS.config
     from trjax import host
     host.configure_cpu(config.cpu_devices, config.cpu_convolutions, config.cpu_reuse_memory)
+    from trjax import compilation, executables, trainer
     from trjax.report import comm_report, format_report
-    from trjax.trainer import setup
-    report = comm_report(setup(config))
+    # the caches scripts/train.py uses: the same config loads the steps it compiled
+    compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
+    prepared = trainer.prepare(config)
+    store = executables.open_store(config.executable_store, compilation.cache_dir(),
+                                   trainer.store_context(prepared))
+    report = comm_report(trainer.setup(config, prepared=prepared, store=store))
     print(json.dumps(report, indent=2) if flags.FLAGS.json else format_report(report))
 
 

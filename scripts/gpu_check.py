@@ -240,9 +240,10 @@ MAIN_JOB_EPOCHS = 2
 
 def _overrides(a) -> list[str]:
     """The main job's config changes, shared by ``main_job`` and ``comm_report``: the
-    same config compiles the same programs, so the comm report loads them from the
-    persistent compilation cache the main job filled (the epoch count only moves
-    the learning-rate schedule's constants, which are baked into the step)."""
+    same config compiles the same programs, so the comm report loads what the main job
+    built (on CPU from the executable store, elsewhere from the persistent compilation
+    cache; the epoch count only moves the learning-rate schedule's constants, which
+    are baked into the step)."""
     return [f"--config.num_epochs={MAIN_JOB_EPOCHS}"] + (
         ["--config.model=resnet8", "--config.cpu_devices=2", "--config.global_batch_size=32",
          "--config.eval_batch_size=32"] if a.dry_run else [])
