@@ -184,3 +184,22 @@ def test_open_store(tmp_path):
     assert store.directory == str(tmp_path / executables.SUBDIR)
     with pytest.raises(ValueError, match="executable_store='yes' must be True or False"):
         executables.open_store("yes", str(tmp_path), ())
+
+
+def test_flax_config_flags_are_in_the_key(tmp_path):
+    """A flax flag (``FLAX_FIX_RNG_SEPARATOR`` in the environment) changes the keys
+    ``model.init`` draws from, hence every initial parameter: an entry stored
+    without it must not be loaded with it."""
+    import flax
+    import flax.linen as nn
+    world = make_world("all", 8)
+    x = jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=world.sharded())
+
+    def init():
+        return nn.Dense(4).init(jax.random.key(0), jnp.ones((1, 3)))["params"]["kernel"]
+
+    key, params = _store(tmp_path).key("f", _fn, (x,)), np.asarray(init())
+    with flax.config.temp_flip_flag("fix_rng_separator", not flax.config.flax_fix_rng_separator):
+        assert not np.array_equal(np.asarray(init()), params)  # another program's result
+        assert _store(tmp_path).key("f", _fn, (x,)) != key
+    assert _store(tmp_path).key("f", _fn, (x,)) == key

@@ -18,7 +18,9 @@ program instead, so that it can be looked up before tracing:
   shape, dtype, class count, mean and std, and the plan's bucket layout);
 * the environment (:func:`environment`): a digest of every trjax source
   file, the versions of Python, jax, jaxlib, flax, optax and numpy, every
-  jax config value, ``XLA_FLAGS`` and the backend (platform, version, device
+  jax and flax config value (both read ``JAX_*`` / ``FLAX_*`` environment
+  variables: ``FLAX_FIX_RNG_SEPARATOR`` changes every initial parameter),
+  ``XLA_FLAGS`` and the backend (platform, version, device
   ids and kinds, process count and index).
 
 An entry is the executable serialized by jax
@@ -89,7 +91,7 @@ def source_digest() -> str:
 
 def environment() -> dict:
     """What besides the program and its context decides the executable: library
-    versions, jax's config values, ``XLA_FLAGS``, the backend and its devices."""
+    versions, jax's and flax's config values, ``XLA_FLAGS``, the backend and its devices."""
     import flax
     import jaxlib
     import numpy
@@ -100,6 +102,7 @@ def environment() -> dict:
         "versions": [jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__,
                      numpy.__version__],
         "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
+        "flax_config": repr(flax.config),  # e.g. flax_fix_rng_separator: model.init's keys
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "backend": [devices[0].platform, devices[0].client.platform_version,
                     jax.process_count(), jax.process_index()],
