@@ -203,3 +203,20 @@ def test_flax_config_flags_are_in_the_key(tmp_path):
         assert not np.array_equal(np.asarray(init()), params)  # another program's result
         assert _store(tmp_path).key("f", _fn, (x,)) != key
     assert _store(tmp_path).key("f", _fn, (x,)) == key
+
+
+def test_a_key_array_initialisation_is_stored_per_prng_impl(tmp_path):
+    """``rbg`` and ``unsafe_rbg`` keys have the same key data (shape, dtype, bits) but
+    draw different parameters: the state initialisation stored for one must not be
+    loaded for the other (it equals its own compiled-without-store reference)."""
+    c = small_config()
+    tr = trainer.prepare(c)
+    store = _store(tmp_path, trainer.store_context(tr))
+    args = (tr.model, tr.exchange, tr.world, tr.data.image_shape, c.bn_mode)
+    train_state_program(jax.random.key(0, impl="rbg"), *args, store=store).finish()  # stored
+    key = jax.random.key(0, impl="unsafe_rbg")
+    ref = train_state_program(key, *args).finish()
+    got = train_state_program(key, *args, store=store).finish()
+    for a, b in zip(jax.tree_util.tree_leaves(ref.params), jax.tree_util.tree_leaves(got.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(os.listdir(tmp_path / executables.SUBDIR)) == 2
