@@ -25,8 +25,10 @@ program instead, so that it can be looked up before tracing:
 
 An entry is the executable serialized by jax
 (``jax.experimental.serialize_executable``, the format jax's own cache
-stores) with its argument and result trees and the lowered module's name
-and text, pickled into ``<compilation cache dir>/trjax_executables/<key>``
+stores) with its argument and result trees, the ids of the devices it runs
+on (in its device assignment's order: jax would load it onto every device,
+which breaks a program of fewer, e.g. ``config.devices="0-3"``) and the
+lowered module's name and text, pickled into ``<compilation cache dir>/trjax_executables/<key>``
 and written atomically. An entry that cannot be read is reported and
 replaced. Entries are pickles: as for jax's cache directory, it must be
 the user's own (loading one runs code from it).
@@ -70,7 +72,7 @@ the store (``fun_name``: the module name); :class:`trjax.compilation.CompileLog`
 files it as a build served from the store."""
 
 SUBDIR = "trjax_executables"
-_FORMAT = 1  # bump when the entry layout changes
+_FORMAT = 2  # bump when the entry layout changes
 
 
 @functools.cache
@@ -222,8 +224,11 @@ class ExecutableStore:
         t = time.perf_counter()
         try:
             with open(path, "rb") as f:
-                payload, in_tree, out_tree, module, text = pickle.load(f)
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+                payload, in_tree, out_tree, device_ids, module, text = pickle.load(f)
+            _initialize_cpu_kernels()
+            by_id = {d.id: d for d in jax.devices()}
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
         except Exception as e:  # noqa: BLE001 - a damaged entry: compile as if absent
             warnings.warn(f"trjax: executable store entry {path} is unreadable "
                           f"({type(e).__name__}: {str(e)[:200]}); compiling instead")
@@ -237,11 +242,12 @@ class ExecutableStore:
         executable cannot be serialized or the folder cannot be written."""
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
             os.makedirs(self.directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.")
             try:
                 with os.fdopen(fd, "wb") as f:
-                    pickle.dump((payload, in_tree, out_tree, module, text), f,
+                    pickle.dump((payload, in_tree, out_tree, device_ids, module, text), f,
                                 protocol=pickle.HIGHEST_PROTOCOL)
                 os.replace(tmp, os.path.join(self.directory, key))
             except BaseException:
@@ -252,6 +258,16 @@ class ExecutableStore:
                           f"({type(e).__name__}: {str(e)[:200]})")
             return False
         return True
+
+
+def _initialize_cpu_kernels() -> None:
+    """Fills in jaxlib's LAPACK kernels (function pointers taken from scipy), as
+    lowering a program that calls them does: a process that only loads such a
+    program (PowerSGD's QR) crashed at its first call without it. As jax's
+    ``jax.export`` does for a loaded CPU module (``_ensure_backends_initialized``
+    in ``jax/_src/export/_export.py``)."""
+    from jax._src.lax import linalg
+    linalg.initialize_lapack()
 
 
 _CACHE_OFF = {"lock": threading.Lock(), "depth": 0, "was_on": False}
