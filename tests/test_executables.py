@@ -279,3 +279,17 @@ def test_a_program_calling_lapack_runs_when_loaded_in_a_fresh_process(tmp_path):
     assert again == q
     for m in np.asarray(q):
         np.testing.assert_allclose(m.T @ m, np.eye(3), atol=1e-5)
+
+
+def test_no_store_when_trjax_changed_on_disk_since_import(tmp_path, monkeypatch):
+    """A run keys its programs by trjax's source as it imported it; when the files on
+    disk differ by the time it opens the store (a branch switched while it loaded its
+    data), its programs are the old code's (and a module imported later the new one's):
+    no store, a warning. It stored them under the new code's key, and the next run of
+    the new code loaded them (val top-1 0.303 against 0.367: the BN epsilon edited)."""
+    import trjax
+    assert executables.source_digest() == trjax.SOURCE_DIGEST == trjax.source_digest_on_disk()
+    assert executables.open_store(True, str(tmp_path), ()) is not None
+    monkeypatch.setattr(trjax, "SOURCE_DIGEST", "the digest of other files")
+    with pytest.warns(UserWarning, match="source files changed since this process imported"):
+        assert executables.open_store(True, str(tmp_path), ()) is None

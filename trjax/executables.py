@@ -17,7 +17,7 @@ program instead, so that it can be looked up before tracing:
   (:func:`trjax.trainer.setup` passes the whole config, the data's image
   shape, dtype, class count, mean and std, and the plan's bucket layout);
 * the environment (:func:`environment`): a digest of every trjax source
-  file, the versions of Python, jax, jaxlib, flax, optax and numpy, every
+  file as the process imported it, the versions of Python, jax, jaxlib, flax, optax and numpy, every
   jax and flax config value (both read ``JAX_*`` / ``FLAX_*`` environment
   variables: ``FLAX_FIX_RNG_SEPARATOR`` changes every initial parameter),
   ``XLA_FLAGS`` and the backend (platform, version, device
@@ -49,7 +49,6 @@ start traces.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
 import pickle
@@ -63,6 +62,8 @@ from typing import Any, Callable
 import jax
 from jax.experimental import serialize_executable
 
+import trjax
+
 from trjax.compilation import (BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, STORE_LOAD_EVENT,
                                module_name)
 
@@ -75,20 +76,10 @@ SUBDIR = "trjax_executables"
 _FORMAT = 2  # bump when the entry layout changes
 
 
-@functools.cache
 def source_digest() -> str:
-    """SHA-256 of every ``.py`` file of the trjax package (relative path and bytes)."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for f in sorted(filenames):
-            if f.endswith(".py"):
-                path = os.path.join(dirpath, f)
-                h.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as fh:
-                    h.update(fh.read())
-    return h.hexdigest()
+    """SHA-256 of every ``.py`` file of the trjax package as this process
+    imported it (:data:`trjax.SOURCE_DIGEST`)."""
+    return trjax.SOURCE_DIGEST
 
 
 def environment() -> dict:
@@ -325,8 +316,10 @@ def _compiled_here():
 def open_store(enabled: bool, cache_dir: str | None, context) -> ExecutableStore | None:
     """The store under ``cache_dir`` (the persistent compilation cache's
     folder, :func:`trjax.compilation.cache_dir`), or ``None`` when ``enabled``
-    is False, the compilation cache is off, or the run is not a
-    single-process CPU run.
+    is False, the compilation cache is off, the run is not a single-process
+    CPU run, or trjax's files changed on disk since this process imported
+    them (a warning: the code it runs is no longer the code its key would
+    name, and a module imported later may be the new one).
 
     Raises:
       ValueError: ``enabled`` is not a bool (``config.executable_store``).
@@ -335,5 +328,10 @@ def open_store(enabled: bool, cache_dir: str | None, context) -> ExecutableStore
         raise ValueError(f"config.executable_store={enabled!r} must be True or False")
     if not enabled or not cache_dir or jax.process_count() != 1 or \
             jax.devices()[0].platform != "cpu":
+        return None
+    if trjax.source_digest_on_disk() != trjax.SOURCE_DIGEST:
+        warnings.warn("trjax: its source files changed since this process imported them; "
+                      "the executable store is off for this run (it would store the old "
+                      "code's programs)")
         return None
     return ExecutableStore(os.path.join(cache_dir, SUBDIR), context)
