@@ -1,7 +1,10 @@
 """The executable store: a warm start loads the compiled steps whole, untraced,
 and they compute exactly what freshly compiled ones do; any change to what
 determined a program gives another key; a damaged entry is compiled again."""
+import json
 import os
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -184,3 +187,109 @@ def test_open_store(tmp_path):
     assert store.directory == str(tmp_path / executables.SUBDIR)
     with pytest.raises(ValueError, match="executable_store='yes' must be True or False"):
         executables.open_store("yes", str(tmp_path), ())
+
+
+def test_flax_config_flags_are_in_the_key(tmp_path):
+    """A flax flag (``FLAX_FIX_RNG_SEPARATOR`` in the environment) changes the keys
+    ``model.init`` draws from, hence every initial parameter: an entry stored
+    without it must not be loaded with it."""
+    import flax
+    import flax.linen as nn
+    world = make_world("all", 8)
+    x = jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=world.sharded())
+
+    def init():
+        return nn.Dense(4).init(jax.random.key(0), jnp.ones((1, 3)))["params"]["kernel"]
+
+    key, params = _store(tmp_path).key("f", _fn, (x,)), np.asarray(init())
+    with flax.config.temp_flip_flag("fix_rng_separator", not flax.config.flax_fix_rng_separator):
+        assert not np.array_equal(np.asarray(init()), params)  # another program's result
+        assert _store(tmp_path).key("f", _fn, (x,)) != key
+    assert _store(tmp_path).key("f", _fn, (x,)) == key
+
+
+def test_a_key_array_initialisation_is_stored_per_prng_impl(tmp_path):
+    """``rbg`` and ``unsafe_rbg`` keys have the same key data (shape, dtype, bits) but
+    draw different parameters: the state initialisation stored for one must not be
+    loaded for the other (it equals its own compiled-without-store reference)."""
+    c = small_config()
+    tr = trainer.prepare(c)
+    store = _store(tmp_path, trainer.store_context(tr))
+    args = (tr.model, tr.exchange, tr.world, tr.data.image_shape, c.bn_mode)
+    train_state_program(jax.random.key(0, impl="rbg"), *args, store=store).finish()  # stored
+    key = jax.random.key(0, impl="unsafe_rbg")
+    ref = train_state_program(key, *args).finish()
+    got = train_state_program(key, *args, store=store).finish()
+    for a, b in zip(jax.tree_util.tree_leaves(ref.params), jax.tree_util.tree_leaves(got.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert len(os.listdir(tmp_path / executables.SUBDIR)) == 2
+
+
+
+def test_a_program_on_some_devices_is_loaded_onto_those(tmp_path):
+    """jax loads a serialized executable onto every device unless told which: a program
+    for fewer (one device here; ``config.devices="0-3"`` in a run) failed at its first
+    call ("Expected args ... to have 8 shards, got: [1]"; with 4 of 8 devices XLA
+    aborted the process: the fresh-process test below)."""
+    x = np.arange(6, dtype=np.float32)
+    store = _store(tmp_path)
+    first = aot.compile_step("f", _sin2(), x, store=store)
+    with compilation.CompileLog() as log:
+        loaded = aot.compile_step("f", _sin2(), x, store=store)
+    assert [b.cache for b in log.builds] == ["store"]
+    np.testing.assert_array_equal(np.asarray(loaded(x)), np.asarray(first(x)))
+
+
+_LAPACK_SCRIPT = """
+import json
+import sys
+import numpy as np
+import jax.numpy as jnp
+import jax
+from trjax import aot, compilation, executables
+from trjax.world import make_world
+
+def orthonormal(x):  # a QR: a LAPACK custom call on CPU (as PowerSGD's step makes)
+    return jnp.linalg.qr(x)[0]
+
+world = make_world("2-5", 4)  # 4 of the 8 devices
+x = jax.device_put(np.arange(48, dtype=np.float32).reshape(4, 4, 3) + np.eye(4, 3, dtype=np.float32),
+                   world.sharded())
+with compilation.CompileLog() as log:
+    step = aot.compile_step("qr", orthonormal, x,
+                            store=executables.ExecutableStore(sys.argv[1], ("qr",)))
+print(json.dumps([[b.cache for b in log.builds], np.asarray(step(x)).tolist()]))
+"""
+
+
+def test_a_program_calling_lapack_runs_when_loaded_in_a_fresh_process(tmp_path):
+    """A fresh process loads what another stored and runs it: on the devices it was
+    built for (4 of 8, in a world's mesh) and with jaxlib's LAPACK kernels filled in
+    (jaxlib does that when a program calling them is lowered; a process that traces
+    nothing crashed with a segmentation fault at the first call: PowerSGD's step)."""
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(
+        os.path.abspath(executables.__file__)))}
+    runs = [subprocess.run([sys.executable, "-c", _LAPACK_SCRIPT, str(tmp_path / "store")],
+                           env=env, capture_output=True, text=True, timeout=120)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-2000:]
+    (built, q), (loaded, again) = (json.loads(r.stdout.splitlines()[-1]) for r in runs)
+    assert built == ["off"] and loaded == ["store"], (built, loaded)  # compiled, then loaded
+    assert again == q
+    for m in np.asarray(q):
+        np.testing.assert_allclose(m.T @ m, np.eye(3), atol=1e-5)
+
+
+def test_no_store_when_trjax_changed_on_disk_since_import(tmp_path, monkeypatch):
+    """A run keys its programs by trjax's source as it imported it; when the files on
+    disk differ by the time it opens the store (a branch switched while it loaded its
+    data), its programs are the old code's (and a module imported later the new one's):
+    no store, a warning. It stored them under the new code's key, and the next run of
+    the new code loaded them (val top-1 0.303 against 0.367: the BN epsilon edited)."""
+    import trjax
+    assert executables.source_digest() == trjax.SOURCE_DIGEST == trjax.source_digest_on_disk()
+    assert executables.open_store(True, str(tmp_path), ()) is not None
+    monkeypatch.setattr(trjax, "SOURCE_DIGEST", "the digest of other files")
+    with pytest.warns(UserWarning, match="source files changed since this process imported"):
+        assert executables.open_store(True, str(tmp_path), ()) is None

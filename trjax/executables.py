@@ -17,14 +17,18 @@ program instead, so that it can be looked up before tracing:
   (:func:`trjax.trainer.setup` passes the whole config, the data's image
   shape, dtype, class count, mean and std, and the plan's bucket layout);
 * the environment (:func:`environment`): a digest of every trjax source
-  file, the versions of Python, jax, jaxlib, flax, optax and numpy, every
-  jax config value, ``XLA_FLAGS`` and the backend (platform, version, device
+  file as the process imported it, the versions of Python, jax, jaxlib, flax, optax and numpy, every
+  jax and flax config value (both read ``JAX_*`` / ``FLAX_*`` environment
+  variables: ``FLAX_FIX_RNG_SEPARATOR`` changes every initial parameter),
+  ``XLA_FLAGS`` and the backend (platform, version, device
   ids and kinds, process count and index).
 
 An entry is the executable serialized by jax
 (``jax.experimental.serialize_executable``, the format jax's own cache
-stores) with its argument and result trees and the lowered module's name
-and text, pickled into ``<compilation cache dir>/trjax_executables/<key>``
+stores) with its argument and result trees, the ids of the devices it runs
+on (in its device assignment's order: jax would load it onto every device,
+which breaks a program of fewer, e.g. ``config.devices="0-3"``) and the
+lowered module's name and text, pickled into ``<compilation cache dir>/trjax_executables/<key>``
 and written atomically. An entry that cannot be read is reported and
 replaced. Entries are pickles: as for jax's cache directory, it must be
 the user's own (loading one runs code from it).
@@ -45,7 +49,6 @@ start traces.
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import os
 import pickle
@@ -59,6 +62,8 @@ from typing import Any, Callable
 import jax
 from jax.experimental import serialize_executable
 
+import trjax
+
 from trjax.compilation import (BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, STORE_LOAD_EVENT,
                                module_name)
 
@@ -68,28 +73,18 @@ the store (``fun_name``: the module name); :class:`trjax.compilation.CompileLog`
 files it as a build served from the store."""
 
 SUBDIR = "trjax_executables"
-_FORMAT = 1  # bump when the entry layout changes
+_FORMAT = 2  # bump when the entry layout changes
 
 
-@functools.cache
 def source_digest() -> str:
-    """SHA-256 of every ``.py`` file of the trjax package (relative path and bytes)."""
-    root = os.path.dirname(os.path.abspath(__file__))
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for f in sorted(filenames):
-            if f.endswith(".py"):
-                path = os.path.join(dirpath, f)
-                h.update(os.path.relpath(path, root).encode())
-                with open(path, "rb") as fh:
-                    h.update(fh.read())
-    return h.hexdigest()
+    """SHA-256 of every ``.py`` file of the trjax package as this process
+    imported it (:data:`trjax.SOURCE_DIGEST`)."""
+    return trjax.SOURCE_DIGEST
 
 
 def environment() -> dict:
     """What besides the program and its context decides the executable: library
-    versions, jax's config values, ``XLA_FLAGS``, the backend and its devices."""
+    versions, jax's and flax's config values, ``XLA_FLAGS``, the backend and its devices."""
     import flax
     import jaxlib
     import numpy
@@ -100,6 +95,7 @@ def environment() -> dict:
         "versions": [jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__,
                      numpy.__version__],
         "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
+        "flax_config": repr(flax.config),  # e.g. flax_fix_rng_separator: model.init's keys
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "backend": [devices[0].platform, devices[0].client.platform_version,
                     jax.process_count(), jax.process_index()],
@@ -219,8 +215,11 @@ class ExecutableStore:
         t = time.perf_counter()
         try:
             with open(path, "rb") as f:
-                payload, in_tree, out_tree, module, text = pickle.load(f)
-            compiled = serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+                payload, in_tree, out_tree, device_ids, module, text = pickle.load(f)
+            _initialize_cpu_kernels()
+            by_id = {d.id: d for d in jax.devices()}
+            compiled = serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
         except Exception as e:  # noqa: BLE001 - a damaged entry: compile as if absent
             warnings.warn(f"trjax: executable store entry {path} is unreadable "
                           f"({type(e).__name__}: {str(e)[:200]}); compiling instead")
@@ -234,11 +233,12 @@ class ExecutableStore:
         executable cannot be serialized or the folder cannot be written."""
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+            device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
             os.makedirs(self.directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.")
             try:
                 with os.fdopen(fd, "wb") as f:
-                    pickle.dump((payload, in_tree, out_tree, module, text), f,
+                    pickle.dump((payload, in_tree, out_tree, device_ids, module, text), f,
                                 protocol=pickle.HIGHEST_PROTOCOL)
                 os.replace(tmp, os.path.join(self.directory, key))
             except BaseException:
@@ -249,6 +249,16 @@ class ExecutableStore:
                           f"({type(e).__name__}: {str(e)[:200]})")
             return False
         return True
+
+
+def _initialize_cpu_kernels() -> None:
+    """Fills in jaxlib's LAPACK kernels (function pointers taken from scipy), as
+    lowering a program that calls them does: a process that only loads such a
+    program (PowerSGD's QR) crashed at its first call without it. As jax's
+    ``jax.export`` does for a loaded CPU module (``_ensure_backends_initialized``
+    in ``jax/_src/export/_export.py``)."""
+    from jax._src.lax import linalg
+    linalg.initialize_lapack()
 
 
 _CACHE_OFF = {"lock": threading.Lock(), "depth": 0, "was_on": False}
@@ -306,8 +316,10 @@ def _compiled_here():
 def open_store(enabled: bool, cache_dir: str | None, context) -> ExecutableStore | None:
     """The store under ``cache_dir`` (the persistent compilation cache's
     folder, :func:`trjax.compilation.cache_dir`), or ``None`` when ``enabled``
-    is False, the compilation cache is off, or the run is not a
-    single-process CPU run.
+    is False, the compilation cache is off, the run is not a single-process
+    CPU run, or trjax's files changed on disk since this process imported
+    them (a warning: the code it runs is no longer the code its key would
+    name, and a module imported later may be the new one).
 
     Raises:
       ValueError: ``enabled`` is not a bool (``config.executable_store``).
@@ -316,5 +328,10 @@ def open_store(enabled: bool, cache_dir: str | None, context) -> ExecutableStore
         raise ValueError(f"config.executable_store={enabled!r} must be True or False")
     if not enabled or not cache_dir or jax.process_count() != 1 or \
             jax.devices()[0].platform != "cpu":
+        return None
+    if trjax.source_digest_on_disk() != trjax.SOURCE_DIGEST:
+        warnings.warn("trjax: its source files changed since this process imported them; "
+                      "the executable store is off for this run (it would store the old "
+                      "code's programs)")
         return None
     return ExecutableStore(os.path.join(cache_dir, SUBDIR), context)

@@ -137,7 +137,7 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
     """
     n = world.world_size
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
-        seed, make_key = world.put(np.asarray(rng, np.int32)), jax.random.key
+        seed, make_key, impl = world.put(np.asarray(rng, np.int32)), jax.random.key, None
     else:  # key data through the host: a global array on every process's devices
         seed = world.put(np.asarray(jax.random.key_data(rng)))
         impl = jax.random.key_impl(rng)
@@ -168,8 +168,9 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
     options = ({"xla_backend_optimization_level": INIT_CPU_OPTIMIZATION_LEVEL}
                if world.devices[0].platform == "cpu" else None)
     sig = jax.ShapeDtypeStruct(seed.shape, seed.dtype, sharding=seed.sharding)
-    key = None if store is None else store.key(
-        "create_train_state", create, (sig, image_shape, bn_mode, loss_scale), (), options)
+    key = None if store is None else store.key(  # the key's impl: rbg and unsafe_rbg keys
+        "create_train_state", create,             # have the same data, not the same bits
+        (sig, str(impl), image_shape, bn_mode, loss_scale), (), options)
     found = None if store is None else store.load(key)
 
     def run(compiled) -> TrainState:
