@@ -293,3 +293,15 @@ def test_no_store_when_trjax_changed_on_disk_since_import(tmp_path, monkeypatch)
     monkeypatch.setattr(trjax, "SOURCE_DIGEST", "the digest of other files")
     with pytest.warns(UserWarning, match="source files changed since this process imported"):
         assert executables.open_store(True, str(tmp_path), ()) is None
+
+
+def test_a_copied_cache_dir_keeps_its_keys(tmp_path, restore_jax_cache):
+    """Where and how jax caches is left out of the key: the same program in a cache
+    dir copied or moved elsewhere is found."""
+    world = make_world("all", 8)
+    x = jax.ShapeDtypeStruct((8, 3), jnp.float32, sharding=world.sharded())
+    keys = []
+    for d in ("a", "b"):
+        compilation.configure_cache(True, str(tmp_path / d))
+        keys.append(_store(tmp_path / d).key("f", _fn, (x,)))
+    assert keys[0] == keys[1]

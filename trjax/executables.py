@@ -73,6 +73,8 @@ the store (``fun_name``: the module name); :class:`trjax.compilation.CompileLog`
 files it as a build served from the store."""
 
 SUBDIR = "trjax_executables"
+_CACHE_SETTINGS = ("jax_compilation_cache", "jax_persistent_cache", "jax_enable_compilation_cache",
+                   "jax_raise_persistent_cache_errors", "jax_explain_cache_misses")
 _FORMAT = 2  # bump when the entry layout changes
 
 
@@ -94,7 +96,9 @@ def environment() -> dict:
         "format": _FORMAT, "trjax_source": source_digest(), "python": sys.version,
         "versions": [jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__,
                      numpy.__version__],
-        "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()),
+        # every jax config value but where and when jax caches (a copied cache dir still hits)
+        "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()
+                             if not k.startswith(_CACHE_SETTINGS)),
         "flax_config": repr(flax.config),  # e.g. flax_fix_rng_separator: model.init's keys
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "backend": [devices[0].platform, devices[0].client.platform_version,
