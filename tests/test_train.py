@@ -130,7 +130,8 @@ def test_comm_report_default_config():
     ("devices", "0-9", "device spec '0-9' names device id(s) [8, 9]"),
     ("global_batch_size", 100, "global_batch_size 100 is not divisible by world_size 8; use 96 or 104"),
     ("eval_batch_size", 4, "config.eval_batch_size 4 is smaller than world_size 8"),
-    ("num_epochs", 0, "config.num_epochs=0 must be a positive int"),
+    ("num_epochs", 0, "config.num_epochs=0 must be an int in [1, 2147483647]"),
+    ("num_epochs", 2 ** 30, "config.num_epochs=1073741824 makes 12884901888 steps"),
     ("precision", "fp8", "config.precision='fp8' is not one of"),
     ("buckets", "size:x", "config.buckets='size:x' is not one of"),
     ("grad_accumulation_steps", 3, "config.grad_accumulation_steps=3 must divide the local batch 16"),
@@ -141,9 +142,11 @@ def test_comm_report_default_config():
     ("bn_momentum", float("nan"), "config.bn_momentum=nan must be in [0, 1)"),
     ("weight_decay", -1e-4, "config.weight_decay=-0.0001 must be in [0, inf)"),
     ("trust_coefficient", 0.0, "config.trust_coefficient=0.0 must be in (0, inf)"),
-    ("keep_checkpoints", 0, "config.keep_checkpoints=0 must be a positive int"),
-    ("seed", -1, "config.seed=-1 must be an int >= 0"),
-    ("prefetch", -1, "config.prefetch=-1 must be an int >= 0"),
+    ("keep_checkpoints", 0, "config.keep_checkpoints=0 must be an int in [1, 2147483647]"),
+    ("seed", -1, "config.seed=-1 must be an int in [0, 2147483647]"),
+    ("seed", 2 ** 40, "config.seed=1099511627776 must be an int in [0, 2147483647] (int32"),
+    ("halt_after_steps", 2 ** 31, "config.halt_after_steps=2147483648 must be an int in [0, "),
+    ("prefetch", -1, "config.prefetch=-1 must be an int in [0, 2147483647]"),
     ("learning_rate", float("inf"), "config.learning_rate=inf must be in (0, inf)"),
     ("conv_lowering", "gemm", "config.conv_lowering='gemm' is not one of"),
     ("data_dir", "/data/x", "config.data_dir='/data/x' is set but dataset='digits' is built in"),
@@ -192,7 +195,7 @@ def test_config_combinations_are_checked_in_one_place():
         validate(small_config(allreduce="tree", allreduce_local_size=4))
     with pytest.raises(ValueError, match="compression_start_step=100 needs a compression"):
         validate(small_config(compression_start_step=100))
-    with pytest.raises(ValueError, match="grad_accumulation_steps=0 must be a positive int"):
+    with pytest.raises(ValueError, match="grad_accumulation_steps=0 must be an int in"):
         validate(small_config(grad_accumulation_steps=0))
 
 

@@ -39,6 +39,10 @@ POSITIVE_INTS = ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_
 NON_NEGATIVE_INTS = ("compression_start_step", "allreduce_local_size", "checkpoint_every_steps",
                      "halt_after_steps", "log_every_steps", "max_consecutive_overflows", "seed",
                      "warmup_epochs", "prefetch")
+INT32_MAX = 2 ** 31 - 1
+"""The upper bound of every int key: seeds, step counts and intervals meet the
+train state's int32 counters on the device (a larger value overflowed there,
+or failed with a bare ``OverflowError`` when placed)."""
 INF = float("inf")
 FLOAT_RANGES = {  # key: (low, low included, high, high included); NaN is out of every range
     "momentum": (0.0, True, 1.0, False), "bn_momentum": (0.0, True, 1.0, False),
@@ -87,12 +91,12 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
         raise ValueError(f"config.buckets={c.buckets!r} is not one of "
                          "'two', 'tail_minimal', 'size:<MB>' (a positive number, e.g. 'size:25'), "
                          "'per_leaf'")
-    for key in POSITIVE_INTS:
-        if not _is_int(_get(c, key)) or _get(c, key) < 1:
-            raise ValueError(f"config.{key}={_get(c, key)!r} must be a positive int")
-    for key in NON_NEGATIVE_INTS:
-        if not _is_int(_get(c, key)) or _get(c, key) < 0:
-            raise ValueError(f"config.{key}={_get(c, key)!r} must be an int >= 0")
+    for keys, low in ((POSITIVE_INTS, 1), (NON_NEGATIVE_INTS, 0)):
+        for key in keys:
+            v = _get(c, key)
+            if not _is_int(v) or not low <= v <= INT32_MAX:
+                raise ValueError(f"config.{key}={v!r} must be an int in [{low}, {INT32_MAX}] "
+                                 "(int32, as the step counters on the device)")
     for key, (low, low_in, high, high_in) in FLOAT_RANGES.items():
         v = c[key]
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (
@@ -153,6 +157,10 @@ def validate_steps(config: ml_collections.ConfigDict, train_examples: int, globa
                          "train_remainder='pad' or a global_batch_size of at most "
                          f"{train_examples}")
     last = steps_per_epoch * c.num_epochs
+    if last > INT32_MAX:
+        raise ValueError(f"config.num_epochs={c.num_epochs} makes {last} steps "
+                         f"({steps_per_epoch} per epoch), past the int32 step counter "
+                         f"({INT32_MAX}); lower num_epochs")
     if c.compression != "none" and c.compression_start_step >= last:
         raise ValueError(f"config.compression_start_step={c.compression_start_step} is past "
                          f"the run's last step ({last}): compression={c.compression!r} would "
