@@ -94,8 +94,8 @@ def environment() -> dict:
     devices = jax.devices()
     return {
         "format": _FORMAT, "trjax_source": source_digest(), "python": sys.version,
-        "versions": [jax.__version__, jaxlib.__version__, flax.__version__, optax.__version__,
-                     numpy.__version__],
+        "versions": [trjax.__version__, jax.__version__, jaxlib.__version__, flax.__version__,
+                     optax.__version__, numpy.__version__],
         # every jax config value but where and when jax caches (a copied cache dir still hits)
         "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()
                              if not k.startswith(_CACHE_SETTINGS)),
