@@ -207,7 +207,8 @@ class CompileLog:
             return
         phase = self._current_phase()
         with self._lock:
-            self.builds.append(Build(phase, str(kwargs.get("fun_name", "")), float(duration), cache))
+            self.builds.append(Build(phase, str(kwargs.get("fun_name", "")), float(duration),
+                                     cache))
 
     def __enter__(self) -> "CompileLog":
         self._tokens.append(_PHASES.set(_PHASES.get() + ((id(self), self._phase0),)))

@@ -14,24 +14,27 @@ program instead, so that it can be looked up before tracing:
   replaced in a test or a notebook changes it), the abstract arguments
   (shapes, dtypes, shardings), the donated arguments and compile options;
 * the caller's context, which fixes everything the function closes over
-  (:func:`trjax.trainer.setup` passes the whole config, the data's image
-  shape, dtype, class count, mean and std, and the plan's bucket layout);
-* the environment (:func:`environment`): a digest of every trjax source
-  file as the process imported it, the versions of Python, jax, jaxlib, flax, optax and numpy, every
-  jax and flax config value (both read ``JAX_*`` / ``FLAX_*`` environment
+  (:func:`trjax.trainer.store_context`: the config less the keys that enter no
+  program, the data's shape, dtype, classes, mean, std and sizes, the model,
+  the plan and the mesh);
+* the environment (:func:`environment`): a digest of every trjax source file
+  as the process imported it, the versions of trjax, Python, jax, jaxlib,
+  flax, optax and numpy, every jax config value but the cache's settings and
+  every flax config value (both read ``JAX_*`` / ``FLAX_*`` environment
   variables: ``FLAX_FIX_RNG_SEPARATOR`` changes every initial parameter),
-  ``XLA_FLAGS`` and the backend (platform, version, device
-  ids and kinds, process count and index).
+  ``XLA_FLAGS`` and the backend (platform, version, device ids and kinds,
+  process count and index).
 
 An entry is the executable serialized by jax
 (``jax.experimental.serialize_executable``, the format jax's own cache
 stores) with its argument and result trees, the ids of the devices it runs
 on (in its device assignment's order: jax would load it onto every device,
 which breaks a program of fewer, e.g. ``config.devices="0-3"``) and the
-lowered module's name and text, pickled into ``<compilation cache dir>/trjax_executables/<key>``
-and written atomically. An entry that cannot be read is reported and
-replaced. Entries are pickles: as for jax's cache directory, it must be
-the user's own (loading one runs code from it).
+lowered module's name and text, pickled into
+``<compilation cache dir>/trjax_executables/<key>`` and written atomically.
+An entry that cannot be read is reported and replaced. Entries are pickles:
+as for jax's cache directory, it must be the user's own (loading one runs
+code from it).
 
 A program the store misses is compiled by XLA with jax's persistent cache
 off: XLA:CPU cannot serialize an executable it loaded from that cache again

@@ -183,7 +183,8 @@ def setup(config: ml_collections.ConfigDict,
         fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode),
                                    init.abstract, store=store)
         folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
-        eval_step = aot.compile_step("eval_step", steps.make_eval_step(model, world, config.bn_mode),
+        eval_step = aot.compile_step("eval_step",
+                                     steps.make_eval_step(model, world, config.bn_mode),
                                      init.abstract.params, folded, example(config.eval_batch_size),
                                      acc_shape, donate_argnums=3, store=store)
         eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape,
