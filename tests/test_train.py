@@ -54,7 +54,9 @@ def test_main_job_short(tmp_path, monkeypatch):
     t = s["seconds"]
     assert set(t) == {"prepare", "setup", "train", "evaluate", "checkpoint"}
     assert all(v > 0 for v in t.values()) and sum(t.values()) < s["wall_s"]
-    assert t["train"] == pytest.approx(2 * 1437 / s["train_images_per_s"], rel=1e-3)
+    # summary.json's seconds are rounded to the millisecond (0.5 ms: a 0.43 s train time
+    # is off by more than 1e-3 relative), images/s is not
+    assert t["train"] == pytest.approx(2 * 1437 / s["train_images_per_s"], rel=1e-3, abs=5e-4)
     # each epoch's train pass in its own order: (seed 0, epoch 1), (seed 0, epoch 2); eval in order
     assert [o for o in orders if o[1]] == [(1437, True, 0, 1), (1437, True, 0, 2)]
     assert {o for o in orders if not o[1]} == {(360, False, 0, 0)}
