@@ -67,13 +67,7 @@ from jax.experimental import serialize_executable
 
 import trjax
 
-from trjax.compilation import (BACKEND_COMPILE_EVENT, CACHE_HIT_EVENT, STORE_LOAD_EVENT,
-                               module_name)
-
-LOAD_EVENT = STORE_LOAD_EVENT
-"""``jax.monitoring`` duration event recorded for each executable loaded from
-the store (``fun_name``: the module name); :class:`trjax.compilation.CompileLog`
-files it as a build served from the store."""
+from trjax.compilation import BACKEND_COMPILE_EVENT, STORE_LOAD_EVENT, module_name
 
 SUBDIR = "trjax_executables"
 _CACHE_SETTINGS = ("jax_compilation_cache", "jax_persistent_cache", "jax_enable_compilation_cache",
@@ -206,7 +200,7 @@ class ExecutableStore:
         found in its in-memory cache may be a loaded one). Thread-safe."""
         with _without_persistent_cache(), _compiled_here() as built:
             compiled = lowered.compile(compiler_options=compiler_options)
-        if built["compiled"] and not built["hit"]:
+        if built["compiled"]:
             text = lowered.as_text()
             self.save(key, compiled, module_name(text), text)
         return compiled
@@ -214,8 +208,10 @@ class ExecutableStore:
     def load(self, key: str):
         """``(compiled, module_name, lowered_text)`` of entry ``key``, or ``None``.
 
-        Records :data:`LOAD_EVENT` with the load's seconds. An unreadable
-        entry is reported (a warning) and treated as absent."""
+        Records :data:`trjax.compilation.STORE_LOAD_EVENT` (``jax.monitoring``, the
+        load's seconds, ``fun_name``: the module name), which
+        :class:`trjax.compilation.CompileLog` files as a build served from the
+        store. An unreadable entry is reported (a warning) and treated as absent."""
         path = os.path.join(self.directory, key)
         if not os.path.isfile(path):
             return None
@@ -231,7 +227,7 @@ class ExecutableStore:
             warnings.warn(f"trjax: executable store entry {path} is unreadable "
                           f"({type(e).__name__}: {str(e)[:200]}); compiling instead")
             return None
-        jax.monitoring.record_event_duration_secs(LOAD_EVENT, time.perf_counter() - t,
+        jax.monitoring.record_event_duration_secs(STORE_LOAD_EVENT, time.perf_counter() - t,
                                                   fun_name=module)
         return compiled, module, text
 
@@ -297,26 +293,20 @@ def _without_persistent_cache():
 
 @contextlib.contextmanager
 def _compiled_here():
-    """A dict that, after the block, says whether XLA compiled something on this
-    thread inside it (``compiled``: jax reported a backend build) and whether jax
-    served one from its persistent cache (``hit``). A build jax found in its
-    in-memory cache reports neither."""
-    seen, me = {"compiled": False, "hit": False}, threading.get_ident()
-
-    def on_event(event: str, **kwargs) -> None:
-        if event == CACHE_HIT_EVENT and threading.get_ident() == me:
-            seen["hit"] = True
+    """A dict whose ``compiled``, after the block, says whether XLA built an
+    executable on this thread inside it (jax reported a backend build; a program
+    jax found in its in-memory cache reports none). Used with jax's persistent
+    cache off, so such a build is a real compile."""
+    seen, me = {"compiled": False}, threading.get_ident()
 
     def on_duration(event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT and threading.get_ident() == me:
             seen["compiled"] = True
 
-    jax.monitoring.register_event_listener(on_event)
     jax.monitoring.register_event_duration_secs_listener(on_duration)
     try:
         yield seen
     finally:
-        jax.monitoring.unregister_event_listener(on_event)
         jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
