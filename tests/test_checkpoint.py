@@ -343,3 +343,46 @@ def test_packed_checkpoint_of_another_model_is_a_clear_error(tmp_path, monkeypat
     with pytest.raises(ValueError, match=r"checkpoint .*0 does not fit this model/world: "
                                          r"leaves missing \['batch_stats/stage1_block2/BatchNorm_0/mean'"):
         checkpoint.restore_latest(mngr, other.state, {})
+
+
+def test_async_save_hands_orbax_call_to_its_thread(tmp_path, monkeypatch):
+    """Single-process asynchronous saves: checkpoint.save returns while orbax's save call
+    is still running on the manager's thread; finish waits for it; the call's error is
+    raised at the next save or finish, and the checkpoint before it stays."""
+    import threading
+    import orbax.checkpoint as ocp
+    state = {"w": np.arange(4, dtype=np.float32)}
+    from trjax.state import TrainState
+    one = np.ones((), np.int32)
+    st = lambda k: TrainState(step=np.int32(k), params=state, batch_stats={}, opt_state={},
+                              skipped_steps=one, loss_scale=np.float32(1), good_steps=one)
+    mngr = checkpoint.manager(str(tmp_path), asynchronous=True)
+    assert mngr.handoff is not None
+    release, started, callers = threading.Event(), threading.Event(), []
+    real = ocp.CheckpointManager.save
+
+    def held(self, *a, **k):
+        callers.append(threading.current_thread().name)
+        started.set()
+        assert release.wait(60), "checkpoint.save waited for orbax's call"
+        return real(self, *a, **k)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", held)
+    checkpoint.save(mngr, st(1), {"epoch": 1, "batch": 0})  # returns with the call held
+    assert started.wait(60) and mngr.pending is not None and not mngr.pending.done()
+    release.set()
+    checkpoint.finish(mngr)
+    assert callers == ["trjax-save_0"] and mngr.all_steps() == [1]
+
+    def failing(self, *a, **k):
+        raise OSError("disk full")
+    monkeypatch.setattr(ocp.CheckpointManager, "save", failing)
+    checkpoint.save(mngr, st(2), {"epoch": 1, "batch": 1})
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.finish(mngr)
+    checkpoint.save(mngr, st(3), {"epoch": 1, "batch": 2})
+    with pytest.raises(OSError, match="disk full"):  # raised by the next save's wait
+        checkpoint.save(mngr, st(4), {"epoch": 1, "batch": 3})
+    monkeypatch.setattr(ocp.CheckpointManager, "save", real)
+    restored, meta = checkpoint.restore_latest(mngr, st(0), {})
+    assert int(restored.step) == 1 and meta["batch"] == 0
+    assert not checkpoint.manager(str(tmp_path / "sync"), asynchronous=False).handoff
