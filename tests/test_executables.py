@@ -305,3 +305,42 @@ def test_a_copied_cache_dir_keeps_its_keys(tmp_path, restore_jax_cache):
         compilation.configure_cache(True, str(tmp_path / d))
         keys.append(_store(tmp_path / d).key("f", _fn, (x,)))
     assert keys[0] == keys[1]
+
+
+def test_a_stored_initialisation_loads_beside_the_steps_and_a_damaged_one_compiles(
+        tmp_path, restore_jax_cache):
+    """The state initialisation's results are known from its entry's record before it is
+    loaded (trainer.setup loads it on its own thread beside the steps); an entry whose
+    record reads but whose executable does not is reported and compiled again on that
+    thread, with the same bits; a record that does not read falls back to loading."""
+    import pickle
+    compilation.configure_cache(True, str(tmp_path / "xla"))
+    c = small_config(num_epochs=1)
+    tr = trainer.prepare(c)
+    store = _store(tmp_path, trainer.store_context(tr))
+    make = lambda: train_state_program(c.seed, tr.model, tr.exchange, tr.world,
+                                       tr.data.image_shape, c.bn_mode, store=store)
+    first = make()
+    reference = jax.tree_util.tree_map(np.asarray, first.finish())
+    (entry,) = [f for f in os.listdir(tmp_path / executables.SUBDIR)
+                if f.startswith("create_train_state")]
+    path = tmp_path / executables.SUBDIR / entry
+    key = entry
+    assert executables.describe(store.out_info(key, tr.world.mesh)) == \
+        executables.describe(first.abstract)
+    fields = list(pickle.loads(path.read_bytes()))
+    fields[0] = b"not an executable"
+    path.write_bytes(pickle.dumps(tuple(fields)))
+    program = make()  # the record still reads: the results are known, nothing loaded yet
+    assert executables.describe(program.abstract) == executables.describe(first.abstract)
+    with pytest.warns(UserWarning, match=r"executable store entry .* is unreadable"):
+        state = program.finish()
+    for a, b in zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(state)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    with compilation.CompileLog() as log:  # compiled again and stored
+        make().finish()
+    assert [b.cache for b in log.builds] == ["store"]
+    path.write_bytes(b"not a pickle")  # no record: loaded (here: compiled) before returning
+    with pytest.warns(UserWarning, match=r"executable store entry .* is unreadable"):
+        program = make()
+    assert executables.describe(program.abstract) == executables.describe(first.abstract)

@@ -30,7 +30,9 @@ An entry is the executable serialized by jax
 stores) with its argument and result trees, the ids of the devices it runs
 on (in its device assignment's order: jax would load it onto every device,
 which breaks a program of fewer, e.g. ``config.devices="0-3"``) and the
-lowered module's name and text, pickled into
+lowered module's name and text, and a record of its results' shapes, dtypes
+and shardings (:meth:`ExecutableStore.out_info`: a caller can go on with them
+while another thread loads the executable), pickled into
 ``<compilation cache dir>/trjax_executables/<key>`` and written atomically.
 An entry that cannot be read is reported and replaced. Entries are pickles:
 as for jax's cache directory, it must be the user's own (loading one runs
@@ -72,7 +74,7 @@ from trjax.compilation import BACKEND_COMPILE_EVENT, STORE_LOAD_EVENT, module_na
 SUBDIR = "trjax_executables"
 _CACHE_SETTINGS = ("jax_compilation_cache", "jax_persistent_cache", "jax_enable_compilation_cache",
                    "jax_raise_persistent_cache_errors", "jax_explain_cache_misses")
-_FORMAT = 2  # bump when the entry layout changes
+_FORMAT = 3  # bump when the entry layout changes
 
 
 def source_digest() -> str:
@@ -150,7 +152,7 @@ def _code_digest(fn) -> str:
     return h.hexdigest()
 
 
-def _describe(tree) -> str:
+def describe(tree) -> str:
     """The tree structure of abstract arguments and each leaf's shape, dtype
     and sharding (other leaves, e.g. Python numbers: their ``repr``)."""
     leaves, treedef = jax.tree_util.tree_flatten(tree)
@@ -174,7 +176,7 @@ class ExecutableStore:
     def key(self, name: str, fn, args, donate_argnums=(), options=None) -> str:
         """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``."""
         h = hashlib.sha256(self._base.encode())
-        h.update(repr((name, _code_digest(fn), _describe(args), tuple(donate_argnums),
+        h.update(repr((name, _code_digest(fn), describe(args), tuple(donate_argnums),
                        sorted((options or {}).items()))).encode())
         return f"{name}-{h.hexdigest()[:40]}"
 
@@ -218,8 +220,9 @@ class ExecutableStore:
         t = time.perf_counter()
         try:
             with open(path, "rb") as f:
-                payload, in_tree, out_tree, device_ids, module, text = pickle.load(f)
-            _initialize_cpu_kernels()
+                payload, in_tree, out_tree, device_ids, module, text, _ = pickle.load(f)
+            with _LAPACK_LOCK:
+                _initialize_cpu_kernels()
             by_id = {d.id: d for d in jax.devices()}
             compiled = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
@@ -231,18 +234,34 @@ class ExecutableStore:
                                                   fun_name=module)
         return compiled, module, text
 
+    def out_info(self, key: str, mesh):
+        """The results' abstract values (``jax.ShapeDtypeStruct`` with their
+        ``NamedSharding`` on ``mesh``) of entry ``key``, as ``compiled.out_info``
+        of the executable :meth:`load` would give, without loading it; ``None``
+        when the entry is absent or unreadable, or its results are not all
+        ``NamedSharding``-laid arrays, or the rebuilt description differs from
+        the stored one."""
+        path = os.path.join(self.directory, key)
+        try:
+            with open(path, "rb") as f:
+                record = pickle.load(f)[6]
+        except Exception:  # noqa: BLE001 - absent or damaged: the caller loads or compiles
+            return None
+        return _rebuild_out_info(record, mesh)
+
     def save(self, key: str, compiled, module: str, text: str) -> bool:
         """Writes entry ``key`` atomically; False (and a warning) when the
         executable cannot be serialized or the folder cannot be written."""
         try:
             payload, in_tree, out_tree = serialize_executable.serialize(compiled)
             device_ids = [d.id for d in compiled.runtime_executable().local_devices()]
+            record = _out_record(compiled.out_info)
             os.makedirs(self.directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.")
             try:
                 with os.fdopen(fd, "wb") as f:
-                    pickle.dump((payload, in_tree, out_tree, device_ids, module, text), f,
-                                protocol=pickle.HIGHEST_PROTOCOL)
+                    pickle.dump((payload, in_tree, out_tree, device_ids, module, text, record),
+                                f, protocol=pickle.HIGHEST_PROTOCOL)
                 os.replace(tmp, os.path.join(self.directory, key))
             except BaseException:
                 os.unlink(tmp)
@@ -252,6 +271,33 @@ class ExecutableStore:
                           f"({type(e).__name__}: {str(e)[:200]})")
             return False
         return True
+
+
+def _out_record(out_info):
+    """``(treedef, [(shape, dtype, spec, memory_kind)], description)`` of a
+    tree of ``ShapeDtypeStruct`` with ``NamedSharding`` (picklable: jax's
+    devices and meshes are not), or ``None`` for any other leaf."""
+    leaves, treedef = jax.tree_util.tree_flatten(out_info)
+    if not all(isinstance(getattr(x, "sharding", None), jax.sharding.NamedSharding)
+               for x in leaves):
+        return None
+    return (treedef, [(tuple(x.shape), str(x.dtype), x.sharding.spec, x.sharding.memory_kind)
+                      for x in leaves], describe(out_info))
+
+
+def _rebuild_out_info(record, mesh):
+    """The tree :func:`_out_record` recorded, on ``mesh``; ``None`` when it
+    does not describe exactly as the recorded one did."""
+    if record is None:
+        return None
+    treedef, leaves, description = record
+    tree = jax.tree_util.tree_unflatten(treedef, [
+        jax.ShapeDtypeStruct(shape, dtype, sharding=jax.sharding.NamedSharding(
+            mesh, spec, memory_kind=kind)) for shape, dtype, spec, kind in leaves])
+    return tree if describe(tree) == description else None
+
+
+_LAPACK_LOCK = threading.Lock()  # loads may run on several threads (trjax.trainer.setup)
 
 
 def _initialize_cpu_kernels() -> None:
