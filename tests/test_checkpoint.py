@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from helpers import skip_train_step_compile, small_config, to_host
-from trjax import checkpoint, compilation, input_pipeline
+from trjax import checkpoint, compilation, input_pipeline, packing
 from trjax.train import setup, train_and_evaluate
 
 
@@ -278,14 +278,14 @@ def test_pack_round_trips_every_leaf_bit_for_bit():
             "half": rng.normal(size=(5,)).astype(jnp.bfloat16),
             "nothing": np.zeros((0, 3), np.float32), "comm_state": {}, "spare": None,
             "device": jax.device_put(np.arange(6, dtype=np.int32).reshape(2, 3))}
-    flat, layout = checkpoint.pack(tree)
+    flat, layout = packing.pack(tree)
     assert sorted(flat) == ["bfloat16", "float32", "int32"]
     assert flat["float32"].size == 72 + 4 + 1 + 0 and flat["int32"].size == 1 + 6
     assert [e[0] for e in layout][:2] == [["params", "conv", "kernel"], ["params", "bn", "scale"]]
     assert layout[1][3] == 72  # the scale follows the 3*3*2*4 kernel elements
     import json
     layout = json.loads(json.dumps(layout))  # as it comes back from the meta item
-    back = checkpoint.unpack(flat, layout)
+    back = packing.unpack(flat, layout)
     want = jax.tree_util.tree_leaves_with_path(tree)
     got = jax.tree_util.tree_leaves_with_path(back)
     assert [p for p, _ in got] == [p for p, _ in want]
@@ -297,7 +297,7 @@ def test_pack_round_trips_every_leaf_bit_for_bit():
     assert flat["float32"][0] != tree["params"]["conv"]["kernel"].reshape(-1)[0]
     with pytest.raises(ValueError, match=r"params/bn/scale \(float32\[4\] at 72\) is not in "
                                          r"the stored arrays \{'float32': 'float32\[74\]'"):
-        checkpoint.unpack({**flat, "float32": flat["float32"][:74]}, layout)
+        packing.unpack({**flat, "float32": flat["float32"][:74]}, layout)
 
 
 def _stand_in(step=1, **params):

@@ -16,13 +16,13 @@ the state to host memory (numpy: the train step donates the state's device
 buffers to the next step, so the writer must not read them) and hands the copy
 to orbax, whose background thread writes it while training goes on.
 
-The host copy is packed (:func:`pack`): one flat array per dtype (``state``
+The host copy is packed (:func:`trjax.packing.pack`): one flat array per dtype (``state``
 item: ``{"float32": [n], "int32": [m], ...}``) and, in the ``meta`` item, the
 layout that names every leaf (its path in the state dict, shape, dtype and
 offset), as DeepSpeed's ZeRO checkpoints keep flat fp32 groups beside a map of
 parameter shapes. Orbax's cost grows with the leaf count (about 0.4 ms of CPU
 per leaf and save, against about 25 ms per save: ``scripts/bench_checkpoint.py``):
-the default job's state has 177 leaves and 2 MB, so packed saves cost a fifth of
+the default job's state has 177 leaves and 2 MB, so packed saves cost a third of
 the CPU, which on a small host is taken from the training steps. :func:`read`
 returns a checkpoint's state dict by name without a train state; checkpoints
 written leaf by leaf (multi-process sharded states, and trjax before the packing)
@@ -54,6 +54,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from trjax import packing
 from trjax.world import host_value
 
 COMPATIBLE_FIELDS = ("model", "bn_mode", "global_batch_size", "dataset", "optimizer",
@@ -129,112 +130,7 @@ def host_copy(state) -> dict:
 
 
 LAYOUT_KEY = "state_layout"
-"""The ``meta`` key of a packed checkpoint's layout (:func:`pack`)."""
-
-
-def pack(state_dict: dict) -> tuple[dict, list]:
-    """Packs a state dict into one flat host array per dtype, and its layout.
-
-    Args:
-      state_dict: nested dicts (``flax.serialization.to_state_dict`` of the
-        train state) of arrays: numpy, or jax arrays whose every leaf can be
-        read on this host (replicated, or all shards addressable).
-
-    Returns:
-      ``(flat, layout)``: ``flat`` maps a dtype name (``"float32"``,
-      ``"int32"``, ``"bfloat16"``, ...) to a 1-D numpy array, a new copy
-      sharing no memory with the inputs; ``layout`` is a JSON-able list of
-      ``[path, shape, dtype, offset]`` in leaf order (``path``: the list of
-      dict keys; an empty dict or a ``None`` keeps its place with ``shape``
-      ``None`` and ``dtype`` ``"{}"`` or ``None``).
-    """
-    leaves = flax.traverse_util.flatten_dict(state_dict, keep_empty_nodes=True)
-    layout, sizes, parts = [], {}, []
-    for path, x in leaves.items():
-        if x is flax.traverse_util.empty_node or x is None:
-            layout.append([list(path), None, None if x is None else "{}", 0])
-            continue
-        dtype = np.dtype(x.dtype)
-        offset = sizes.get(dtype.name, 0)
-        layout.append([list(path), list(np.shape(x)), dtype.name, offset])
-        sizes[dtype.name] = offset + int(np.prod(np.shape(x), dtype=np.int64))
-        parts.append((dtype.name, offset, x))
-    flat = {name: np.empty(size, np.dtype(_dtype(name))) for name, size in sizes.items()}
-    for name, offset, x in parts:  # one copy, straight from the (host) buffers
-        x = np.asarray(x).reshape(-1)
-        flat[name][offset:offset + x.size] = x
-    return flat, layout
-
-
-def _dtype(name: str):
-    return jax.numpy.dtype(name)  # knows ml_dtypes' names (bfloat16, float8_*)
-
-
-def unpack(flat: dict, layout: list) -> dict:
-    """The state dict :func:`pack` packed: numpy arrays (views of ``flat``),
-    nested as the paths say.
-
-    Raises:
-      ValueError: ``flat`` does not hold what ``layout`` describes (a damaged
-        checkpoint).
-    """
-    leaves = {}
-    for path, shape, dtype, offset in layout:
-        if shape is None:
-            leaves[tuple(path)] = {} if dtype == "{}" else None
-            continue
-        size = int(np.prod(shape, dtype=np.int64))
-        part = flat.get(dtype)
-        if part is None or part.dtype != _dtype(dtype) or offset + size > part.size:
-            raise ValueError(f"packed state: {'/'.join(path)} ({dtype}{shape} at {offset}) is "
-                             f"not in the stored arrays {_describe(flat)}")
-        leaves[tuple(path)] = part[offset:offset + size].reshape(shape)
-    return flax.traverse_util.unflatten_dict(leaves)
-
-
-def _describe(flat: dict) -> dict:
-    return {k: f"{v.dtype}[{v.size}]" for k, v in flat.items()}
-
-
-def _flat_template(layout: list) -> dict:
-    sizes = {}
-    for _, shape, dtype, offset in layout:
-        if shape is not None:
-            sizes[dtype] = max(sizes.get(dtype, 0),
-                               offset + int(np.prod(shape, dtype=np.int64)))
-    return {k: np.zeros(n, _dtype(k)) for k, n in sizes.items()}
-
-
-def _place(target, state_dict: dict, path: str):
-    """``state_dict`` (host arrays) on ``target``'s devices and shardings.
-
-    Raises:
-      ValueError: a leaf is missing, extra, or of another shape or dtype.
-    """
-    want = flax.traverse_util.flatten_dict(flax.serialization.to_state_dict(target),
-                                           keep_empty_nodes=True)
-    have = flax.traverse_util.flatten_dict(state_dict, keep_empty_nodes=True)
-    missing, extra = sorted(set(want) - set(have)), sorted(set(have) - set(want))
-    if missing or extra:
-        raise ValueError(f"checkpoint {path} does not fit this model/world: leaves missing "
-                         f"{['/'.join(k) for k in missing][:5]}, not in this state "
-                         f"{['/'.join(k) for k in extra][:5]}")
-    placed = {}
-    for k, x in want.items():
-        v = have[k]
-        if x is flax.traverse_util.empty_node or x is None or v is None:
-            if (x is None) != (v is None):
-                raise ValueError(f"checkpoint {path} does not fit this model/world: "
-                                 f"{'/'.join(k)} is {v!r} in the checkpoint, {x!r} in this run")
-            placed[k] = {} if x is flax.traverse_util.empty_node else None
-            continue
-        if tuple(v.shape) != tuple(x.shape) or np.dtype(v.dtype) != np.dtype(x.dtype):
-            raise ValueError(f"checkpoint {path} does not fit this model/world: "
-                             f"{'/'.join(k)} is {v.dtype}{list(v.shape)} in the checkpoint, "
-                             f"{np.dtype(x.dtype)}{list(x.shape)} in this run")
-        placed[k] = (jax.make_array_from_callback(x.shape, x.sharding, lambda i, v=v: v[i])
-                     if isinstance(x, jax.Array) else np.array(v))
-    return flax.serialization.from_state_dict(target, flax.traverse_util.unflatten_dict(placed))
+"""The ``meta`` key of a packed checkpoint's layout (:func:`trjax.packing.pack`)."""
 
 
 def _host_copy_possible(state) -> bool:
@@ -245,7 +141,7 @@ def _host_copy_possible(state) -> bool:
 def save(mngr: Manager, state, meta: dict) -> None:
     """Saves ``state`` and ``meta`` (JSON-able) under ``int(state.step)``.
 
-    The state is copied to host memory first and packed (:func:`pack`; its
+    The state is copied to host memory first and packed (:func:`trjax.packing.pack`; its
     layout goes into ``meta`` under :data:`LAYOUT_KEY`), so the caller may
     donate ``state`` to the next step as soon as this returns. With
     an asynchronous manager the files are written on orbax's background thread
@@ -261,7 +157,7 @@ def save(mngr: Manager, state, meta: dict) -> None:
         for x in jax.tree_util.tree_leaves(state):  # every transfer in flight before the first wait
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
-        tree, layout = pack(flax.serialization.to_state_dict(state))
+        tree, layout = packing.pack(flax.serialization.to_state_dict(state))
         meta, wait = {**meta, LAYOUT_KEY: layout}, False
     else:
         tree, wait = flax.serialization.to_state_dict(state), True
@@ -367,10 +263,10 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
             continue
         _check_meta(path, meta, expect)
         try:
-            if LAYOUT_KEY in meta:  # packed (:func:`pack`): host arrays, then the devices
+            if LAYOUT_KEY in meta:  # packed (:func:`trjax.packing.pack`): host arrays, then the devices
                 flat = mngr.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(_flat_template(meta[LAYOUT_KEY]))))["state"]
-                state = unpack(flat, meta[LAYOUT_KEY])
+                    state=ocp.args.StandardRestore(packing.template(meta[LAYOUT_KEY]))))["state"]
+                state = packing.unpack(flat, meta[LAYOUT_KEY])
             else:  # leaf by leaf, straight onto the devices
                 restored = mngr.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(_abstract(target))))["state"]
@@ -381,7 +277,7 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
             unreadable(path, e)
             continue
         if LAYOUT_KEY in meta:
-            restored = _place(target, state, path)  # ValueError: another model or world
+            restored = packing.place(target, state, path)  # ValueError: another model or world
         else:
             restored = flax.serialization.from_state_dict(target, restored)
         _move_aside(mngr, bad, log)
@@ -417,8 +313,8 @@ def read(directory: str, step: int | None = None) -> tuple[dict, dict]:
     meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if LAYOUT_KEY in meta:
         flat = mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_flat_template(meta[LAYOUT_KEY]))))["state"]
-        return unpack(flat, meta[LAYOUT_KEY]), meta
+            state=ocp.args.StandardRestore(packing.template(meta[LAYOUT_KEY]))))["state"]
+        return packing.unpack(flat, meta[LAYOUT_KEY]), meta
     state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
     return state["state"], meta
 
