@@ -295,8 +295,9 @@ def test_pack_round_trips_every_leaf_bit_for_bit():
     assert back["comm_state"] == {} and back["spare"] is None
     flat["float32"][0] += 1  # a copy: the inputs are untouched
     assert flat["float32"][0] != tree["params"]["conv"]["kernel"].reshape(-1)[0]
-    with pytest.raises(ValueError, match=r"params/bn/scale \(float32\[4\] at 72\) is not in "
-                                         r"the stored arrays \{'float32': 'float32\[74\]'"):
+    with pytest.raises(packing.DamagedLayout, match=r"the stored arrays \{'float32': "
+                                                    r"'float32\[74\]'.* are not the \{'float32': "
+                                                    r"'float32\[77\]'"):
         packing.unpack({**flat, "float32": flat["float32"][:74]}, layout)
 
 
@@ -398,3 +399,56 @@ def test_async_save_hands_orbax_call_to_its_thread(tmp_path, monkeypatch):
     restored, meta = checkpoint.restore_latest(mngr, st(0), {})
     assert int(restored.step) == 1 and meta["batch"] == 0
     assert not checkpoint.manager(str(tmp_path / "sync"), asynchronous=False).handoff
+
+
+def _edit_w(entry):
+    return {"overlap": lambda e: e.__setitem__(3, 1),  # w read from b's place: wrong values
+            "gap": lambda e: e.__setitem__(1, [2]),  # w shorter: b read from w's last value
+            "beyond": lambda e: e.__setitem__(3, 100), "negative": lambda e: e.__setitem__(3, -2),
+            "dtype": lambda e: e.__setitem__(2, "float16"),
+            "fraction": lambda e: e.__setitem__(3, 1.5),
+            "unknown dtype": lambda e: e.__setitem__(2, "float33")}[entry]
+
+
+@pytest.mark.parametrize("damage", ["overlap", "gap", "beyond", "negative", "dtype", "fraction",
+                                    "unknown dtype", "missing leaf", "duplicate leaf"])
+def test_edited_layout_falls_back_to_the_previous_checkpoint(tmp_path, damage):
+    """A packed checkpoint whose meta's layout was edited or damaged is unreadable (never
+    restored with wrong values, never mistaken for another model): the run falls back to
+    the previous checkpoint, bit for bit; checkpoint.read names the damage."""
+    import json
+    d = str(tmp_path / "checkpoints")
+    mngr = checkpoint.manager(d)
+    old = _stand_in(step=1, w=np.arange(3, dtype=np.float32), b=np.float32(0.5))
+    new = _stand_in(step=2, w=np.arange(3, dtype=np.float32) + 10, b=np.float32(7))
+    checkpoint.save(mngr, old, {"epoch": 1, "batch": 1})
+    checkpoint.save(mngr, new, {"epoch": 1, "batch": 2})
+    checkpoint.finish(mngr)
+    path = os.path.join(d, "2", "meta", "metadata")
+    meta = json.load(open(path))
+    layout = meta[checkpoint.LAYOUT_KEY]
+    w = [e for e in layout if e[0] == ["params", "w"]][0]
+    if damage == "missing leaf":
+        layout.remove(w)
+    elif damage == "duplicate leaf":
+        layout.append(list(w))
+    else:
+        _edit_w(damage)(w)
+    json.dump(meta, open(path, "w"))
+    with pytest.raises(packing.DamagedLayout, match="packed state: .*(layout|offset)"):
+        checkpoint.read(d)
+    log = []
+    restored, meta = checkpoint.restore_latest(checkpoint.manager(d), old, {}, log=log.append)
+    assert int(restored.step) == 1 and meta["batch"] == 1 and _bits(restored) == _bits(old)
+    assert "checkpoint " + os.path.join(d, "2") + " is unreadable (DamagedLayout" in log[0]
+
+
+def test_unpack_takes_only_the_arrays_its_layout_describes():
+    """Flat arrays longer, shorter or other than the layout's (a damaged state item) are
+    an error: a leaf is never read from bytes pack did not write there."""
+    flat, layout = packing.pack({"a": np.arange(3, dtype=np.float32), "n": np.int32(4)})
+    assert packing.check_layout(layout) == {"float32": 3, "int32": 1}
+    for bad in ({**flat, "float32": np.zeros(4, np.float32)}, {"float32": flat["float32"]},
+                {**flat, "float64": np.zeros(1)}, {**flat, "int32": flat["int32"].view(np.float32)}):
+        with pytest.raises(packing.DamagedLayout, match=r"the stored arrays .* are not the "):
+            packing.unpack(bad, layout)

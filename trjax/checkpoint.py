@@ -35,7 +35,8 @@ depend on the device count, and a checkpoint written on 8 devices restores on
 exception: it restores on the same world size only).
 
 Resume policy: :func:`restore_latest` tries the newest checkpoint first; one
-that cannot be read (truncated, corrupt) is reported and left untouched, and
+that cannot be read (truncated, corrupt, a packed layout that is not one
+:func:`trjax.packing.pack` writes) is reported and left untouched, and
 the next older one is tried. A readable checkpoint whose config does not match
 is an error (no silent fallback: resuming it would be wrong).
 """
@@ -271,8 +272,8 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
                 restored = mngr.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(_abstract(target))))["state"]
         except Exception as e:
-            if isinstance(e, ValueError) and ("shape" in str(e).lower() or
-                                              "mismatch" in str(e).lower()):
+            if isinstance(e, ValueError) and not isinstance(e, packing.DamagedLayout) and (
+                    "shape" in str(e).lower() or "mismatch" in str(e).lower()):
                 raise ValueError(f"checkpoint {path} does not fit this model/world: {e}") from e
             unreadable(path, e)
             continue

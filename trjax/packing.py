@@ -56,25 +56,79 @@ def numpy_dtype(name: str):
     return jax.numpy.dtype(name)  # knows ml_dtypes' names (bfloat16, float8_*)
 
 
+class DamagedLayout(ValueError):
+    """A packed checkpoint's layout or flat arrays are not what :func:`pack`
+    writes (an edited or damaged checkpoint, not another model or world)."""
+
+
+def check_layout(layout) -> dict:
+    """The flat arrays' sizes by dtype name that ``layout`` describes, after
+    checking it is one :func:`pack` writes: entries ``[path, shape, dtype,
+    offset]`` with distinct non-empty paths of strings, shapes of non-negative
+    ints, known dtype names, and each dtype's leaves packed back to back from
+    offset 0 in layout order (no gap, no overlap: a leaf read at another
+    leaf's offset would restore wrong values without an error).
+
+    Raises:
+      DamagedLayout: names the first entry that breaks these rules.
+    """
+    if not isinstance(layout, list):
+        raise DamagedLayout(f"packed state: the layout is a {type(layout).__name__}, not a list")
+    sizes, seen = {}, set()
+    for entry in layout:
+        ok = isinstance(entry, list) and len(entry) == 4
+        path, shape, dtype, offset = entry if ok else (None,) * 4
+        ok = ok and isinstance(path, list) and bool(path) and \
+            all(isinstance(k, str) for k in path) and tuple(path) not in seen
+        if ok and shape is None:
+            ok = dtype in ("{}", None) and offset == 0
+        elif ok:
+            ok = (isinstance(shape, list) and isinstance(dtype, str) and type(offset) is int and
+                  all(type(n) is int and n >= 0 for n in shape) and _known(dtype))
+            if ok and offset != sizes.get(dtype, 0):
+                raise DamagedLayout(
+                    f"packed state: {'/'.join(path)} ({dtype}{shape}) is at offset {offset}, "
+                    f"where the previous {dtype} leaves end at {sizes.get(dtype, 0)} (leaves "
+                    "overlap or leave a gap: the layout was edited or damaged)")
+            if ok:
+                sizes[dtype] = offset + int(np.prod(shape, dtype=np.int64))
+        if not ok:
+            raise DamagedLayout(f"packed state: the layout entry {str(entry)[:200]} is not "
+                                "[path, shape, dtype, offset] as trjax.packing.pack writes it")
+        seen.add(tuple(path))
+    return sizes
+
+
+def _known(name: str) -> bool:
+    try:
+        numpy_dtype(name)
+    except TypeError:
+        return False
+    return True
+
+
 def unpack(flat: dict, layout: list) -> dict:
     """The state dict :func:`pack` packed: numpy arrays (views of ``flat``),
     nested as the paths say.
 
     Raises:
-      ValueError: ``flat`` does not hold what ``layout`` describes (a damaged
-        checkpoint).
+      DamagedLayout (a ``ValueError``): ``layout`` is not one :func:`pack`
+        writes (:func:`check_layout`), or ``flat`` does not hold exactly the
+        arrays it describes (a damaged checkpoint).
     """
+    sizes = check_layout(layout)
+    have = {k: (np.asarray(v).dtype, np.size(v)) for k, v in flat.items()}
+    if have != {k: (numpy_dtype(k), n) for k, n in sizes.items()}:
+        raise DamagedLayout(f"packed state: the stored arrays {_sizes(flat)} are not the "
+                            f"{ {k: f'{k}[{n}]' for k, n in sizes.items()} } its layout "
+                            "describes (a damaged checkpoint)")
     leaves = {}
     for path, shape, dtype, offset in layout:
         if shape is None:
             leaves[tuple(path)] = {} if dtype == "{}" else None
             continue
         size = int(np.prod(shape, dtype=np.int64))
-        part = flat.get(dtype)
-        if part is None or part.dtype != numpy_dtype(dtype) or offset + size > part.size:
-            raise ValueError(f"packed state: {'/'.join(path)} ({dtype}{shape} at {offset}) is "
-                             f"not in the stored arrays {_sizes(flat)}")
-        leaves[tuple(path)] = part[offset:offset + size].reshape(shape)
+        leaves[tuple(path)] = flat[dtype][offset:offset + size].reshape(shape)
     return flax.traverse_util.unflatten_dict(leaves)
 
 
@@ -83,13 +137,12 @@ def _sizes(flat: dict) -> dict:
 
 
 def template(layout: list) -> dict:
-    """Zero arrays of the flat arrays ``layout`` describes (a restore target for orbax)."""
-    sizes = {}
-    for _, shape, dtype, offset in layout:
-        if shape is not None:
-            sizes[dtype] = max(sizes.get(dtype, 0),
-                               offset + int(np.prod(shape, dtype=np.int64)))
-    return {k: np.zeros(n, numpy_dtype(k)) for k, n in sizes.items()}
+    """Zero arrays of the flat arrays ``layout`` describes (a restore target for orbax).
+
+    Raises:
+      DamagedLayout: see :func:`check_layout`.
+    """
+    return {k: np.zeros(n, numpy_dtype(k)) for k, n in check_layout(layout).items()}
 
 
 def place(target, state_dict: dict, path: str):
