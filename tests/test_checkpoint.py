@@ -452,3 +452,20 @@ def test_unpack_takes_only_the_arrays_its_layout_describes():
                 {**flat, "float64": np.zeros(1)}, {**flat, "int32": flat["int32"].view(np.float32)}):
         with pytest.raises(packing.DamagedLayout, match=r"the stored arrays .* are not the "):
             packing.unpack(bad, layout)
+
+
+def test_a_dtype_of_empty_leaves_only_saves_and_restores(tmp_path):
+    """A dtype whose every leaf is empty has no flat array (orbax refuses zero-size arrays:
+    the save failed): its leaves come back empty, of their shape and dtype."""
+    state = _stand_in(step=3, w=np.arange(3, dtype=np.float32), e=np.zeros((0, 4), np.int8))
+    flat, layout = packing.pack(checkpoint.host_copy(state))
+    assert sorted(flat) == ["float32", "int32"] and ["params", "e"] in [e[0] for e in layout]
+    d = str(tmp_path / "checkpoints")
+    mngr = checkpoint.manager(d)
+    checkpoint.save(mngr, state, {"epoch": 1, "batch": 3})
+    checkpoint.finish(mngr)
+    restored, _ = checkpoint.restore_latest(mngr, state, {})
+    assert restored.params["e"].shape == (0, 4) and restored.params["e"].dtype == np.int8
+    assert _bits(restored) == _bits(state)
+    e = checkpoint.read(d)[0]["params"]["e"]
+    assert (e.shape, e.dtype) == ((0, 4), np.int8)

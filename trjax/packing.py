@@ -28,7 +28,8 @@ def pack(state_dict: dict) -> tuple[dict, list]:
     Returns:
       ``(flat, layout)``: ``flat`` maps a dtype name (``"float32"``,
       ``"int32"``, ``"bfloat16"``, ...) to a 1-D numpy array, a new copy
-      sharing no memory with the inputs; ``layout`` is a JSON-able list of
+      sharing no memory with the inputs (none for a dtype whose leaves are
+      all empty: orbax cannot save a zero-size array); ``layout`` is a JSON-able list of
       ``[path, shape, dtype, offset]`` in leaf order (``path``: the list of
       dict keys; an empty dict or a ``None`` keeps its place with ``shape``
       ``None`` and ``dtype`` ``"{}"`` or ``None``).
@@ -44,10 +45,12 @@ def pack(state_dict: dict) -> tuple[dict, list]:
         layout.append([list(path), list(np.shape(x)), name, offset])
         sizes[name] = offset + int(np.prod(np.shape(x), dtype=np.int64))
         parts.append((name, offset, x))
-    flat = {name: np.empty(size, numpy_dtype(name)) for name, size in sizes.items()}
+    # a dtype whose leaves are all empty gets no array (orbax refuses zero-size arrays)
+    flat = {name: np.empty(size, numpy_dtype(name)) for name, size in sizes.items() if size}
     for name, offset, x in parts:  # one copy, straight from the (host) buffers
         x = np.asarray(x).reshape(-1)
-        flat[name][offset:offset + x.size] = x
+        if x.size:
+            flat[name][offset:offset + x.size] = x
     return flat, layout
 
 
@@ -62,7 +65,8 @@ class DamagedLayout(ValueError):
 
 
 def check_layout(layout) -> dict:
-    """The flat arrays' sizes by dtype name that ``layout`` describes, after
+    """The flat arrays' sizes by dtype name that ``layout`` describes (dtypes
+    whose leaves are all empty have none: :func:`pack`), after
     checking it is one :func:`pack` writes: entries ``[path, shape, dtype,
     offset]`` with distinct non-empty paths of strings, shapes of non-negative
     ints, known dtype names, and each dtype's leaves packed back to back from
@@ -96,7 +100,7 @@ def check_layout(layout) -> dict:
             raise DamagedLayout(f"packed state: the layout entry {str(entry)[:200]} is not "
                                 "[path, shape, dtype, offset] as trjax.packing.pack writes it")
         seen.add(tuple(path))
-    return sizes
+    return {k: n for k, n in sizes.items() if n}
 
 
 def _known(name: str) -> bool:
@@ -128,7 +132,8 @@ def unpack(flat: dict, layout: list) -> dict:
             leaves[tuple(path)] = {} if dtype == "{}" else None
             continue
         size = int(np.prod(shape, dtype=np.int64))
-        leaves[tuple(path)] = flat[dtype][offset:offset + size].reshape(shape)
+        leaves[tuple(path)] = (flat[dtype][offset:offset + size].reshape(shape) if size else
+                               np.zeros(shape, numpy_dtype(dtype)))
     return flax.traverse_util.unflatten_dict(leaves)
 
 
