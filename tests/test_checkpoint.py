@@ -469,3 +469,32 @@ def test_a_dtype_of_empty_leaves_only_saves_and_restores(tmp_path):
     assert _bits(restored) == _bits(state)
     e = checkpoint.read(d)[0]["params"]["e"]
     assert (e.shape, e.dtype) == ((0, 4), np.int8)
+
+
+def test_an_interrupted_wait_keeps_the_handed_off_save_pending(tmp_path, monkeypatch):
+    """A KeyboardInterrupt (a second Ctrl-C) during finish's wait for the handed-off save
+    call does not forget the call: the next finish waits until the checkpoint is on disk."""
+    import functools
+    import signal
+    import threading
+    import orbax.checkpoint as ocp
+    mngr = checkpoint.manager(str(tmp_path), asynchronous=True)
+    release, started = threading.Event(), threading.Event()
+    real = ocp.CheckpointManager.save
+
+    def held(self, *a, **k):
+        started.set()
+        assert release.wait(60)
+        return real(self, *a, **k)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", held)
+    checkpoint.save(mngr, _stand_in(step=5), {"epoch": 1, "batch": 5})
+    assert started.wait(60)
+    ctrl_c = functools.partial(os.kill, os.getpid(), signal.SIGINT)
+    threading.Timer(0.2, ctrl_c).start()  # a real SIGINT while finish waits
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.finish(mngr)
+    assert mngr.pending is not None and not mngr.pending.done()
+    threading.Timer(0.2, release.set).start()
+    checkpoint.finish(mngr)  # waits for the held call, then for orbax's write
+    assert mngr.pending is None and mngr.all_steps() == [5]
+    assert int(checkpoint.read(str(tmp_path))[0]["step"]) == 5

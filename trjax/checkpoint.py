@@ -104,10 +104,18 @@ def manager(directory: str, max_to_keep: int = 3, asynchronous: bool = True) -> 
 
 def wait_handed_off(mngr) -> None:
     """Waits until the orbax ``save`` call :func:`save` handed off (if any)
-    has returned; its error, if it raised, is raised here."""
-    pending, mngr.pending = getattr(mngr, "pending", None), None
-    if pending is not None:
+    has returned; its error, if it raised, is raised here (once). A wait cut
+    short (``KeyboardInterrupt``: a second Ctrl-C) leaves the call pending,
+    so that the next wait (e.g. :func:`finish` on the way out) still waits
+    for it."""
+    pending = getattr(mngr, "pending", None)
+    if pending is None:
+        return
+    try:
         pending.result()
+    finally:
+        if pending.done():
+            mngr.pending = None
 
 
 def host_copy(state) -> dict:
