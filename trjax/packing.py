@@ -10,6 +10,8 @@ leaves, and packed saves cost a third of the CPU (``scripts/bench_checkpoint.py`
 
 from __future__ import annotations
 
+import zlib
+
 import flax
 import flax.serialization
 import flax.traverse_util
@@ -59,9 +61,19 @@ def numpy_dtype(name: str):
     return jax.numpy.dtype(name)  # knows ml_dtypes' names (bfloat16, float8_*)
 
 
-class DamagedLayout(ValueError):
+class DamagedCheckpoint(ValueError):
     """A packed checkpoint's layout or flat arrays are not what :func:`pack`
-    writes (an edited or damaged checkpoint, not another model or world)."""
+    wrote (an edited or damaged checkpoint, not another model or world)."""
+
+
+def checksums(flat: dict) -> dict:
+    """CRC-32 of each flat array's bytes (``{"float32": "crc32:1a2b3c4d", ...}``):
+    stored beside the layout, checked by :func:`unpack`, so that damaged bytes
+    of a stored array (a flipped bit on disk restores as another value: the
+    stored chunks carry no checksum) are an error, not a silent change of the
+    state. zlib's CRC-32: about 0.8 ms per 2 MB on one core."""
+    return {k: f"crc32:{zlib.crc32(memoryview(np.ascontiguousarray(v)).cast('B')):08x}"
+            for k, v in flat.items()}
 
 
 def check_layout(layout) -> dict:
@@ -74,10 +86,11 @@ def check_layout(layout) -> dict:
     leaf's offset would restore wrong values without an error).
 
     Raises:
-      DamagedLayout: names the first entry that breaks these rules.
+      DamagedCheckpoint: names the first entry that breaks these rules.
     """
     if not isinstance(layout, list):
-        raise DamagedLayout(f"packed state: the layout is a {type(layout).__name__}, not a list")
+        raise DamagedCheckpoint(
+            f"packed state: the layout is a {type(layout).__name__}, not a list")
     sizes, seen = {}, set()
     for entry in layout:
         ok = isinstance(entry, list) and len(entry) == 4
@@ -90,14 +103,14 @@ def check_layout(layout) -> dict:
             ok = (isinstance(shape, list) and isinstance(dtype, str) and type(offset) is int and
                   all(type(n) is int and n >= 0 for n in shape) and _known(dtype))
             if ok and offset != sizes.get(dtype, 0):
-                raise DamagedLayout(
+                raise DamagedCheckpoint(
                     f"packed state: {'/'.join(path)} ({dtype}{shape}) is at offset {offset}, "
                     f"where the previous {dtype} leaves end at {sizes.get(dtype, 0)} (leaves "
                     "overlap or leave a gap: the layout was edited or damaged)")
             if ok:
                 sizes[dtype] = offset + int(np.prod(shape, dtype=np.int64))
         if not ok:
-            raise DamagedLayout(f"packed state: the layout entry {str(entry)[:200]} is not "
+            raise DamagedCheckpoint(f"packed state: the layout entry {str(entry)[:200]} is not "
                                 "[path, shape, dtype, offset] as trjax.packing.pack writes it")
         seen.add(tuple(path))
     return {k: n for k, n in sizes.items() if n}
@@ -111,21 +124,32 @@ def _known(name: str) -> bool:
     return True
 
 
-def unpack(flat: dict, layout: list) -> dict:
+def unpack(flat: dict, layout: list, sums: dict | None = None) -> dict:
     """The state dict :func:`pack` packed: numpy arrays (views of ``flat``),
     nested as the paths say.
 
+    Args:
+      flat, layout: as :func:`pack` returned them.
+      sums: :func:`checksums` of ``flat`` when it was packed; ``None``: not
+        checked (checkpoints written before the checksums).
+
     Raises:
-      DamagedLayout (a ``ValueError``): ``layout`` is not one :func:`pack`
+      DamagedCheckpoint (a ``ValueError``): ``layout`` is not one :func:`pack`
         writes (:func:`check_layout`), or ``flat`` does not hold exactly the
-        arrays it describes (a damaged checkpoint).
+        arrays it describes, or their bytes are not those ``sums`` describe
+        (a damaged checkpoint).
     """
     sizes = check_layout(layout)
     have = {k: (np.asarray(v).dtype, np.size(v)) for k, v in flat.items()}
     if have != {k: (numpy_dtype(k), n) for k, n in sizes.items()}:
-        raise DamagedLayout(f"packed state: the stored arrays {_sizes(flat)} are not the "
+        raise DamagedCheckpoint(f"packed state: the stored arrays {_sizes(flat)} are not the "
                             f"{ {k: f'{k}[{n}]' for k, n in sizes.items()} } its layout "
                             "describes (a damaged checkpoint)")
+    if sums is not None and checksums(flat) != sums:
+        bad = sorted(k for k, v in checksums(flat).items() if sums.get(k) != v)
+        raise DamagedCheckpoint(f"packed state: the stored {', '.join(bad)} array's bytes are not "
+                                f"those saved (checksum {checksums(flat)} vs {sums}: a damaged "
+                                "checkpoint)")
     leaves = {}
     for path, shape, dtype, offset in layout:
         if shape is None:
@@ -145,7 +169,7 @@ def template(layout: list) -> dict:
     """Zero arrays of the flat arrays ``layout`` describes (a restore target for orbax).
 
     Raises:
-      DamagedLayout: see :func:`check_layout`.
+      DamagedCheckpoint: see :func:`check_layout`.
     """
     return {k: np.zeros(n, numpy_dtype(k)) for k, n in check_layout(layout).items()}
 
