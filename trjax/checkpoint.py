@@ -22,8 +22,9 @@ layout that names every leaf (its path in the state dict, shape, dtype and
 offset), as DeepSpeed's ZeRO checkpoints keep flat fp32 groups beside a map of
 parameter shapes. The meta also holds each flat array's CRC-32
 (:func:`trjax.packing.checksums`): a damaged byte of the stored arrays makes the
-checkpoint unreadable instead of restoring another value. Orbax's cost grows with the leaf count (about 0.4 ms of CPU
-per leaf and save, against about 25 ms per save: ``scripts/bench_checkpoint.py``):
+checkpoint unreadable instead of restoring another value. Orbax's cost grows
+with the leaf count (about 0.4 ms of CPU per leaf and save, against about 25 ms
+per save: ``scripts/bench_checkpoint.py``):
 the default job's state has 177 leaves and 2 MB, so packed saves cost a third of
 the CPU, which on a small host is taken from the training steps. :func:`read`
 returns a checkpoint's state dict by name without a train state; checkpoints
