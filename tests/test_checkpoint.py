@@ -295,8 +295,9 @@ def test_pack_round_trips_every_leaf_bit_for_bit():
     assert back["comm_state"] == {} and back["spare"] is None
     flat["float32"][0] += 1  # a copy: the inputs are untouched
     assert flat["float32"][0] != tree["params"]["conv"]["kernel"].reshape(-1)[0]
-    with pytest.raises(ValueError, match=r"params/bn/scale \(float32\[4\] at 72\) is not in "
-                                         r"the stored arrays \{'float32': 'float32\[74\]'"):
+    with pytest.raises(packing.DamagedCheckpoint, match=r"the stored arrays \{'float32': "
+                                                    r"'float32\[74\]'.* are not the \{'float32': "
+                                                    r"'float32\[77\]'"):
         packing.unpack({**flat, "float32": flat["float32"][:74]}, layout)
 
 
@@ -398,3 +399,142 @@ def test_async_save_hands_orbax_call_to_its_thread(tmp_path, monkeypatch):
     restored, meta = checkpoint.restore_latest(mngr, st(0), {})
     assert int(restored.step) == 1 and meta["batch"] == 0
     assert not checkpoint.manager(str(tmp_path / "sync"), asynchronous=False).handoff
+
+
+def _edit_w(entry):
+    return {"overlap": lambda e: e.__setitem__(3, 1),  # w read from b's place: wrong values
+            "gap": lambda e: e.__setitem__(1, [2]),  # w shorter: b read from w's last value
+            "beyond": lambda e: e.__setitem__(3, 100), "negative": lambda e: e.__setitem__(3, -2),
+            "dtype": lambda e: e.__setitem__(2, "float16"),
+            "fraction": lambda e: e.__setitem__(3, 1.5),
+            "unknown dtype": lambda e: e.__setitem__(2, "float33")}[entry]
+
+
+@pytest.mark.parametrize("damage", ["overlap", "gap", "beyond", "negative", "dtype", "fraction",
+                                    "unknown dtype", "missing leaf", "duplicate leaf"])
+def test_edited_layout_falls_back_to_the_previous_checkpoint(tmp_path, damage):
+    """A packed checkpoint whose meta's layout was edited or damaged is unreadable (never
+    restored with wrong values, never mistaken for another model): the run falls back to
+    the previous checkpoint, bit for bit; checkpoint.read names the damage."""
+    import json
+    d = str(tmp_path / "checkpoints")
+    mngr = checkpoint.manager(d)
+    old = _stand_in(step=1, w=np.arange(3, dtype=np.float32), b=np.float32(0.5))
+    new = _stand_in(step=2, w=np.arange(3, dtype=np.float32) + 10, b=np.float32(7))
+    checkpoint.save(mngr, old, {"epoch": 1, "batch": 1})
+    checkpoint.save(mngr, new, {"epoch": 1, "batch": 2})
+    checkpoint.finish(mngr)
+    path = os.path.join(d, "2", "meta", "metadata")
+    meta = json.load(open(path))
+    layout = meta[checkpoint.LAYOUT_KEY]
+    w = [e for e in layout if e[0] == ["params", "w"]][0]
+    if damage == "missing leaf":
+        layout.remove(w)
+    elif damage == "duplicate leaf":
+        layout.append(list(w))
+    else:
+        _edit_w(damage)(w)
+    json.dump(meta, open(path, "w"))
+    with pytest.raises(packing.DamagedCheckpoint, match="packed state: .*(layout|offset)"):
+        checkpoint.read(d)
+    log = []
+    restored, meta = checkpoint.restore_latest(checkpoint.manager(d), old, {}, log=log.append)
+    assert int(restored.step) == 1 and meta["batch"] == 1 and _bits(restored) == _bits(old)
+    assert "checkpoint " + os.path.join(d, "2") + " is unreadable (DamagedCheckpoint" in log[0]
+
+
+def test_unpack_takes_only_the_arrays_its_layout_describes():
+    """Flat arrays longer, shorter or other than the layout's (a damaged state item) are
+    an error: a leaf is never read from bytes pack did not write there."""
+    flat, layout = packing.pack({"a": np.arange(3, dtype=np.float32), "n": np.int32(4)})
+    assert packing.check_layout(layout) == {"float32": 3, "int32": 1}
+    for bad in ({**flat, "float32": np.zeros(4, np.float32)}, {"float32": flat["float32"]},
+                {**flat, "float64": np.zeros(1)},
+                {**flat, "int32": flat["int32"].view(np.float32)}):
+        with pytest.raises(packing.DamagedCheckpoint, match=r"the stored arrays .* are not the "):
+            packing.unpack(bad, layout)
+
+
+def test_a_dtype_of_empty_leaves_only_saves_and_restores(tmp_path):
+    """A dtype whose every leaf is empty has no flat array (orbax refuses zero-size arrays:
+    the save failed): its leaves come back empty, of their shape and dtype."""
+    state = _stand_in(step=3, w=np.arange(3, dtype=np.float32), e=np.zeros((0, 4), np.int8))
+    flat, layout = packing.pack(checkpoint.host_copy(state))
+    assert sorted(flat) == ["float32", "int32"] and ["params", "e"] in [e[0] for e in layout]
+    d = str(tmp_path / "checkpoints")
+    mngr = checkpoint.manager(d)
+    checkpoint.save(mngr, state, {"epoch": 1, "batch": 3})
+    checkpoint.finish(mngr)
+    restored, _ = checkpoint.restore_latest(mngr, state, {})
+    assert restored.params["e"].shape == (0, 4) and restored.params["e"].dtype == np.int8
+    assert _bits(restored) == _bits(state)
+    e = checkpoint.read(d)[0]["params"]["e"]
+    assert (e.shape, e.dtype) == ((0, 4), np.int8)
+
+
+def test_an_interrupted_wait_keeps_the_handed_off_save_pending(tmp_path, monkeypatch):
+    """A KeyboardInterrupt (a second Ctrl-C) during finish's wait for the handed-off save
+    call does not forget the call: the next finish waits until the checkpoint is on disk."""
+    import functools
+    import signal
+    import threading
+    import orbax.checkpoint as ocp
+    mngr = checkpoint.manager(str(tmp_path), asynchronous=True)
+    release, started = threading.Event(), threading.Event()
+    real = ocp.CheckpointManager.save
+
+    def held(self, *a, **k):
+        started.set()
+        assert release.wait(60)
+        return real(self, *a, **k)
+    monkeypatch.setattr(ocp.CheckpointManager, "save", held)
+    checkpoint.save(mngr, _stand_in(step=5), {"epoch": 1, "batch": 5})
+    assert started.wait(60)
+    ctrl_c = functools.partial(os.kill, os.getpid(), signal.SIGINT)
+    threading.Timer(0.2, ctrl_c).start()  # a real SIGINT while finish waits
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.finish(mngr)
+    assert mngr.pending is not None and not mngr.pending.done()
+    threading.Timer(0.2, release.set).start()
+    checkpoint.finish(mngr)  # waits for the held call, then for orbax's write
+    assert mngr.pending is None and mngr.all_steps() == [5]
+    assert int(checkpoint.read(str(tmp_path))[0]["step"]) == 5
+
+
+def test_a_flipped_bit_in_the_stored_state_falls_back(tmp_path):
+    """One flipped bit in the stored flat array (the largest file of the state item) was
+    restored as another value without an error (its chunks carry no checksum): the
+    checksums in the meta make that checkpoint unreadable; the run falls back, bit for bit."""
+    d = str(tmp_path / "checkpoints")
+    mngr = checkpoint.manager(d)
+    rng = np.random.default_rng(0)
+    old = _stand_in(step=1, w=rng.normal(size=20000).astype(np.float32), b=np.float32(0.5))
+    new = _stand_in(step=2, w=rng.normal(size=20000).astype(np.float32), b=np.float32(7))
+    checkpoint.save(mngr, old, {"epoch": 1, "batch": 1})
+    checkpoint.save(mngr, new, {"epoch": 1, "batch": 2})
+    checkpoint.finish(mngr)
+    sums = checkpoint.read(d)[1][checkpoint.CHECKSUMS_KEY]
+    import flax.serialization
+    flat, _ = packing.pack(flax.serialization.to_state_dict(new))  # as save packs it
+    assert sums == packing.checksums(flat) and sorted(sums) == ["float32", "int32"]
+    files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, "2", "state")) for f in fs]
+    data = max(files, key=os.path.getsize)
+    assert os.path.getsize(data) > 40000  # the 80 kB of w (compressed): the values themselves
+    raw = bytearray(open(data, "rb").read())
+    raw[len(raw) // 2] ^= 0x10
+    open(data, "wb").write(bytes(raw))
+    log = []
+    restored, meta = checkpoint.restore_latest(checkpoint.manager(d), old, {}, log=log.append)
+    assert int(restored.step) == 1 and _bits(restored) == _bits(old)
+    assert "checkpoint " + os.path.join(d, "2") + " is unreadable" in log[0]
+
+
+def test_unpack_checks_the_arrays_bytes_against_their_checksums():
+    flat, layout = packing.pack({"a": np.arange(3, dtype=np.float32), "n": np.int32(4)})
+    sums = packing.checksums(flat)
+    assert packing.unpack(flat, layout, sums)["a"].tolist() == [0, 1, 2]
+    flat["float32"][1] = np.nextafter(np.float32(1), np.float32(2))  # one ulp: one bit
+    with pytest.raises(packing.DamagedCheckpoint, match=r"the stored float32 array's bytes are "
+                                                        r"not those saved \(checksum"):
+        packing.unpack(flat, layout, sums)
+    assert packing.unpack(flat, layout)["a"][1] > 1  # no sums (older checkpoints): not checked

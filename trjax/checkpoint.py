@@ -20,8 +20,11 @@ The host copy is packed (:func:`trjax.packing.pack`): one flat array per dtype (
 item: ``{"float32": [n], "int32": [m], ...}``) and, in the ``meta`` item, the
 layout that names every leaf (its path in the state dict, shape, dtype and
 offset), as DeepSpeed's ZeRO checkpoints keep flat fp32 groups beside a map of
-parameter shapes. Orbax's cost grows with the leaf count (about 0.4 ms of CPU
-per leaf and save, against about 25 ms per save: ``scripts/bench_checkpoint.py``):
+parameter shapes. The meta also holds each flat array's CRC-32
+(:func:`trjax.packing.checksums`): a damaged byte of the stored arrays makes the
+checkpoint unreadable instead of restoring another value. Orbax's cost grows
+with the leaf count (about 0.4 ms of CPU per leaf and save, against about 25 ms
+per save: ``scripts/bench_checkpoint.py``):
 the default job's state has 177 leaves and 2 MB, so packed saves cost a third of
 the CPU, which on a small host is taken from the training steps. :func:`read`
 returns a checkpoint's state dict by name without a train state; checkpoints
@@ -35,7 +38,8 @@ depend on the device count, and a checkpoint written on 8 devices restores on
 exception: it restores on the same world size only).
 
 Resume policy: :func:`restore_latest` tries the newest checkpoint first; one
-that cannot be read (truncated, corrupt) is reported and left untouched, and
+that cannot be read (truncated, corrupt, a packed layout that is not one
+:func:`trjax.packing.pack` writes) is reported and left untouched, and
 the next older one is tried. A readable checkpoint whose config does not match
 is an error (no silent fallback: resuming it would be wrong).
 """
@@ -103,10 +107,18 @@ def manager(directory: str, max_to_keep: int = 3, asynchronous: bool = True) -> 
 
 def wait_handed_off(mngr) -> None:
     """Waits until the orbax ``save`` call :func:`save` handed off (if any)
-    has returned; its error, if it raised, is raised here."""
-    pending, mngr.pending = getattr(mngr, "pending", None), None
-    if pending is not None:
+    has returned; its error, if it raised, is raised here (once). A wait cut
+    short (``KeyboardInterrupt``: a second Ctrl-C) leaves the call pending,
+    so that the next wait (e.g. :func:`finish` on the way out) still waits
+    for it."""
+    pending = getattr(mngr, "pending", None)
+    if pending is None:
+        return
+    try:
         pending.result()
+    finally:
+        if pending.done():
+            mngr.pending = None
 
 
 def host_copy(state) -> dict:
@@ -131,6 +143,8 @@ def host_copy(state) -> dict:
 
 LAYOUT_KEY = "state_layout"
 """The ``meta`` key of a packed checkpoint's layout (:func:`trjax.packing.pack`)."""
+CHECKSUMS_KEY = "state_checksums"
+"""The ``meta`` key of a packed checkpoint's array checksums (:func:`trjax.packing.checksums`)."""
 
 
 def _host_copy_possible(state) -> bool:
@@ -158,7 +172,7 @@ def save(mngr: Manager, state, meta: dict) -> None:
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
         tree, layout = packing.pack(flax.serialization.to_state_dict(state))
-        meta, wait = {**meta, LAYOUT_KEY: layout}, False
+        meta, wait = {**meta, LAYOUT_KEY: layout, CHECKSUMS_KEY: packing.checksums(tree)}, False
     else:
         tree, wait = flax.serialization.to_state_dict(state), True
     wait_handed_off(mngr)  # saves start in step order; the previous one's error is raised here
@@ -266,13 +280,13 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
             if LAYOUT_KEY in meta:  # packed (:func:`trjax.packing.pack`): host arrays, then the devices
                 flat = mngr.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(packing.template(meta[LAYOUT_KEY]))))["state"]
-                state = packing.unpack(flat, meta[LAYOUT_KEY])
+                state = packing.unpack(flat, meta[LAYOUT_KEY], meta.get(CHECKSUMS_KEY))
             else:  # leaf by leaf, straight onto the devices
                 restored = mngr.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(_abstract(target))))["state"]
         except Exception as e:
-            if isinstance(e, ValueError) and ("shape" in str(e).lower() or
-                                              "mismatch" in str(e).lower()):
+            if isinstance(e, ValueError) and not isinstance(e, packing.DamagedCheckpoint) and (
+                    "shape" in str(e).lower() or "mismatch" in str(e).lower()):
                 raise ValueError(f"checkpoint {path} does not fit this model/world: {e}") from e
             unreadable(path, e)
             continue
@@ -314,7 +328,7 @@ def read(directory: str, step: int | None = None) -> tuple[dict, dict]:
     if LAYOUT_KEY in meta:
         flat = mngr.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(packing.template(meta[LAYOUT_KEY]))))["state"]
-        return packing.unpack(flat, meta[LAYOUT_KEY]), meta
+        return packing.unpack(flat, meta[LAYOUT_KEY], meta.get(CHECKSUMS_KEY)), meta
     state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
     return state["state"], meta
 
