@@ -328,9 +328,12 @@ def test_a_stored_initialisation_loads_beside_the_steps_and_a_damaged_one_compil
     key = entry
     assert executables.describe(store.out_info(key, tr.world.mesh)) == \
         executables.describe(first.abstract)
-    fields = list(pickle.loads(path.read_bytes()))
-    fields[0] = b"not an executable"
-    path.write_bytes(pickle.dumps(tuple(fields)))
+    import hashlib
+    digest, body = pickle.loads(path.read_bytes())
+    fields = list(pickle.loads(body))
+    fields[0] = b"not an executable"  # with a valid digest: only the executable fails
+    body = pickle.dumps(tuple(fields))
+    path.write_bytes(pickle.dumps((hashlib.sha256(body).hexdigest(), body)))
     program = make()  # the record still reads: the results are known, nothing loaded yet
     assert executables.describe(program.abstract) == executables.describe(first.abstract)
     with pytest.warns(UserWarning, match=r"executable store entry .* is unreadable"):
@@ -344,3 +347,26 @@ def test_a_stored_initialisation_loads_beside_the_steps_and_a_damaged_one_compil
     with pytest.warns(UserWarning, match=r"executable store entry .* is unreadable"):
         program = make()
     assert executables.describe(program.abstract) == executables.describe(first.abstract)
+
+
+def test_a_flipped_bit_in_an_entry_is_caught_by_its_digest(tmp_path):
+    """One flipped bit anywhere in an entry's body (the executable, its trees, its record):
+    the SHA-256 written with it differs, the entry is reported and compiled again, and the
+    result is what the first compile computed."""
+    import pickle
+    world = make_world("all", 8)
+    x = jax.device_put(np.arange(24, dtype=np.float32).reshape(8, 3), world.sharded())
+    store = _store(tmp_path)
+    first = aot.compile_step("f", _sin2(), x, store=store)
+    (entry,) = os.listdir(tmp_path / executables.SUBDIR)
+    path = tmp_path / executables.SUBDIR / entry
+    digest, body = pickle.loads(path.read_bytes())
+    for where in (len(body) // 3, len(body) - 5):
+        flipped = bytearray(body)
+        flipped[where] ^= 0x10
+        path.write_bytes(pickle.dumps((digest, bytes(flipped))))
+        assert store.out_info(entry, world.mesh) is None
+        with pytest.warns(UserWarning, match=r"is unreadable \(ValueError: its SHA-256 is not "
+                                             r"the one written with it"):
+            again = aot.compile_step("f", _sin2(), x, store=store)
+        np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))

@@ -32,7 +32,8 @@ on (in its device assignment's order: jax would load it onto every device,
 which breaks a program of fewer, e.g. ``config.devices="0-3"``) and the
 lowered module's name and text, and a record of its results' shapes, dtypes
 and shardings (:meth:`ExecutableStore.out_info`: a caller can go on with them
-while another thread loads the executable), pickled into
+while another thread loads the executable), pickled with the SHA-256 of the
+pickle (checked before anything is unpickled or loaded) into
 ``<compilation cache dir>/trjax_executables/<key>`` and written atomically.
 An entry that cannot be read is reported and replaced. Entries are pickles:
 as for jax's cache directory, it must be the user's own (loading one runs
@@ -74,7 +75,7 @@ from trjax.compilation import BACKEND_COMPILE_EVENT, STORE_LOAD_EVENT, module_na
 SUBDIR = "trjax_executables"
 _CACHE_SETTINGS = ("jax_compilation_cache", "jax_persistent_cache", "jax_enable_compilation_cache",
                    "jax_raise_persistent_cache_errors", "jax_explain_cache_misses")
-_FORMAT = 3  # bump when the entry layout changes
+_FORMAT = 4  # bump when the entry layout changes
 
 
 def source_digest() -> str:
@@ -219,8 +220,7 @@ class ExecutableStore:
             return None
         t = time.perf_counter()
         try:
-            with open(path, "rb") as f:
-                payload, in_tree, out_tree, device_ids, module, text, _ = pickle.load(f)
+            payload, in_tree, out_tree, device_ids, module, text, _ = _read_entry(path)
             with _LAPACK_LOCK:
                 _initialize_cpu_kernels()
             by_id = {d.id: d for d in jax.devices()}
@@ -243,8 +243,7 @@ class ExecutableStore:
         the stored one."""
         path = os.path.join(self.directory, key)
         try:
-            with open(path, "rb") as f:
-                record = pickle.load(f)[6]
+            record = _read_entry(path)[6]
         except Exception:  # noqa: BLE001 - absent or damaged: the caller loads or compiles
             return None
         return _rebuild_out_info(record, mesh)
@@ -259,9 +258,11 @@ class ExecutableStore:
             os.makedirs(self.directory, exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=f".{key}.")
             try:
+                body = pickle.dumps((payload, in_tree, out_tree, device_ids, module, text, record),
+                                    protocol=pickle.HIGHEST_PROTOCOL)
                 with os.fdopen(fd, "wb") as f:
-                    pickle.dump((payload, in_tree, out_tree, device_ids, module, text, record),
-                                f, protocol=pickle.HIGHEST_PROTOCOL)
+                    pickle.dump((hashlib.sha256(body).hexdigest(), body), f,
+                                protocol=pickle.HIGHEST_PROTOCOL)
                 os.replace(tmp, os.path.join(self.directory, key))
             except BaseException:
                 os.unlink(tmp)
@@ -271,6 +272,21 @@ class ExecutableStore:
                           f"({type(e).__name__}: {str(e)[:200]})")
             return False
         return True
+
+
+def _read_entry(path: str) -> tuple:
+    """An entry's fields, after checking its body against the SHA-256 written
+    with it (jax's own cache keeps no checksum: a flipped bit in a stored
+    executable loaded without an error).
+
+    Raises:
+      ValueError: the body's digest is not the stored one (a damaged entry).
+    """
+    with open(path, "rb") as f:
+        digest, body = pickle.load(f)
+    if hashlib.sha256(body).hexdigest() != digest:
+        raise ValueError(f"its SHA-256 is not the one written with it ({digest[:12]}...)")
+    return pickle.loads(body)
 
 
 def _out_record(out_info):
