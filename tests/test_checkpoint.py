@@ -343,6 +343,14 @@ def test_saves_are_packed_and_read_by_name(tmp_path):
     with pytest.raises(ValueError, match=r"leaves missing \['params/v'\], not in this state "
                                          r"\['params/b'\]"):
         checkpoint.restore_latest(mngr, other, {})
+    arrays = str(tmp_path / "arrays")  # a leaf where this run has an empty dict, same path
+    saved = _stand_in(step=4).replace(batch_stats=jax.device_put(np.ones(2, np.float32)))
+    mngr = checkpoint.manager(arrays)
+    checkpoint.save(mngr, saved, {"epoch": 1, "batch": 4})
+    checkpoint.finish(mngr)
+    with pytest.raises(ValueError, match=r"batch_stats is an array in the checkpoint, an empty "
+                                         r"dict in this run"):
+        checkpoint.restore_latest(mngr, _stand_in(), {})
 
 
 def test_leaf_by_leaf_checkpoints_still_restore(tmp_path):

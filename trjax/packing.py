@@ -195,10 +195,11 @@ def place(target, state_dict: dict, path: str):
     placed = {}
     for k, x in want.items():
         v = have[k]
-        if x is flax.traverse_util.empty_node or x is None or v is None:
-            if (x is None) != (v is None):
-                raise ValueError(f"checkpoint {path} does not fit this model/world: "
-                                 f"{'/'.join(k)} is {v!r} in the checkpoint, {x!r} in this run")
+        if _kind(x) != _kind(v):
+            raise ValueError(f"checkpoint {path} does not fit this model/world: "
+                             f"{'/'.join(k)} is {_kind(v)} in the checkpoint, {_kind(x)} in "
+                             "this run")
+        if _kind(x) != "an array":
             placed[k] = {} if x is flax.traverse_util.empty_node else None
             continue
         if tuple(v.shape) != tuple(x.shape) or np.dtype(v.dtype) != np.dtype(x.dtype):
@@ -208,3 +209,9 @@ def place(target, state_dict: dict, path: str):
         placed[k] = (jax.make_array_from_callback(x.shape, x.sharding, lambda i, v=v: v[i])
                      if isinstance(x, jax.Array) else np.array(v))
     return flax.serialization.from_state_dict(target, flax.traverse_util.unflatten_dict(placed))
+
+
+def _kind(leaf) -> str:
+    if leaf is flax.traverse_util.empty_node:
+        return "an empty dict"
+    return "None" if leaf is None else "an array"
