@@ -134,11 +134,16 @@ def host_copy(state) -> dict:
     Raises:
       RuntimeError: (jax) a sharded leaf spans devices of other processes.
     """
+    _start_copies_to_host(state)
+    return jax.tree_util.tree_map(lambda x: np.array(x, copy=True),
+                                  flax.serialization.to_state_dict(state))
+
+
+def _start_copies_to_host(state) -> None:
+    """Every leaf's device-to-host transfer in flight before the first is waited on."""
     for x in jax.tree_util.tree_leaves(state):
         if isinstance(x, jax.Array):
             x.copy_to_host_async()
-    return jax.tree_util.tree_map(lambda x: np.array(x, copy=True),
-                                  flax.serialization.to_state_dict(state))
 
 
 LAYOUT_KEY = "state_layout"
@@ -168,9 +173,7 @@ def save(mngr: Manager, state, meta: dict) -> None:
     """
     step = int(host_value(state.step))
     if _host_copy_possible(state):
-        for x in jax.tree_util.tree_leaves(state):  # every transfer in flight before the first wait
-            if isinstance(x, jax.Array):
-                x.copy_to_host_async()
+        _start_copies_to_host(state)
         tree, layout = packing.pack(flax.serialization.to_state_dict(state))
         meta, wait = {**meta, LAYOUT_KEY: layout, CHECKSUMS_KEY: packing.checksums(tree)}, False
     else:
@@ -206,6 +209,24 @@ def _abstract(state):
         flax.serialization.to_state_dict(state))
 
 
+def _read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
+    return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+
+
+def _read_packed(mngr: ocp.CheckpointManager, step: int, meta: dict) -> dict | None:
+    """The state dict of a packed checkpoint (host arrays, checked against its
+    layout and checksums), or ``None`` for one written leaf by leaf.
+
+    Raises:
+      trjax.packing.DamagedCheckpoint: see :func:`trjax.packing.unpack`.
+    """
+    if LAYOUT_KEY not in meta:
+        return None
+    flat = mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(packing.template(meta[LAYOUT_KEY]))))["state"]
+    return packing.unpack(flat, meta[LAYOUT_KEY], meta.get(CHECKSUMS_KEY))
+
+
 def newest_meta(mngr: ocp.CheckpointManager) -> tuple[str, dict] | None:
     """``(path, meta)`` of the newest checkpoint whose ``meta`` reads, or
     ``None`` (no checkpoint, or none readable: :func:`restore_latest` reports
@@ -214,8 +235,7 @@ def newest_meta(mngr: ocp.CheckpointManager) -> tuple[str, dict] | None:
     for step in sorted(mngr.all_steps(), reverse=True):
         path = os.path.join(str(mngr.directory), str(step))
         try:
-            return path, mngr.restore(step, args=ocp.args.Composite(
-                meta=ocp.args.JsonRestore()))["meta"]
+            return path, _read_meta(mngr, step)
         except Exception:
             continue
     return None
@@ -271,29 +291,23 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
     for step in all_steps:
         path = os.path.join(str(mngr.directory), str(step))
         try:
-            meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = _read_meta(mngr, step)
         except Exception as e:
             unreadable(path, e)
             continue
         _check_meta(path, meta, expect)
         try:
-            if LAYOUT_KEY in meta:  # packed (:func:`trjax.packing.pack`): host arrays, then the devices
-                flat = mngr.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(packing.template(meta[LAYOUT_KEY]))))["state"]
-                state = packing.unpack(flat, meta[LAYOUT_KEY], meta.get(CHECKSUMS_KEY))
-            else:  # leaf by leaf, straight onto the devices
-                restored = mngr.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(_abstract(target))))["state"]
+            packed = _read_packed(mngr, step, meta)  # host arrays, placed on the devices below
+            leaves = None if packed is not None else mngr.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(_abstract(target))))["state"]  # onto the devices
         except Exception as e:
             if isinstance(e, ValueError) and not isinstance(e, packing.DamagedCheckpoint) and (
                     "shape" in str(e).lower() or "mismatch" in str(e).lower()):
                 raise ValueError(f"checkpoint {path} does not fit this model/world: {e}") from e
             unreadable(path, e)
             continue
-        if LAYOUT_KEY in meta:
-            restored = packing.place(target, state, path)  # ValueError: another model or world
-        else:
-            restored = flax.serialization.from_state_dict(target, restored)
+        restored = (packing.place(target, packed, path) if packed is not None  # ValueError:
+                    else flax.serialization.from_state_dict(target, leaves))  # another model
         _move_aside(mngr, bad, log)
         return restored, meta
     raise RuntimeError("no readable checkpoint in " + str(mngr.directory) + ":\n  " +
@@ -324,13 +338,12 @@ def read(directory: str, step: int | None = None) -> tuple[dict, dict]:
     if step not in steps:
         raise FileNotFoundError(f"no checkpoint {'' if step is None else step} in {directory} "
                                 f"(steps there: {sorted(steps)})")
-    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-    if LAYOUT_KEY in meta:
-        flat = mngr.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(packing.template(meta[LAYOUT_KEY]))))["state"]
-        return packing.unpack(flat, meta[LAYOUT_KEY], meta.get(CHECKSUMS_KEY)), meta
-    state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore()))
-    return state["state"], meta
+    meta = _read_meta(mngr, step)
+    packed = _read_packed(mngr, step, meta)
+    if packed is not None:
+        return packed, meta
+    return mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore()))["state"], meta
 
 
 def _move_aside(mngr: ocp.CheckpointManager, paths: list[str], log) -> None:
