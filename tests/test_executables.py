@@ -133,13 +133,19 @@ def _sin2():
     return lambda v: jnp.sin(v) * 2.0
 
 
-def test_a_damaged_entry_is_reported_compiled_again_and_replaced(tmp_path):
+def _one_stored_program(tmp_path):
+    """``(world, x, store, first, path)``: ``_sin2`` compiled on 8 devices for ``x``
+    and stored as the store's only entry, at ``path``."""
     world = make_world("all", 8)
     x = jax.device_put(np.arange(24, dtype=np.float32).reshape(8, 3), world.sharded())
     store = _store(tmp_path)
     first = aot.compile_step("f", _sin2(), x, store=store)
     (entry,) = os.listdir(tmp_path / executables.SUBDIR)
-    path = tmp_path / executables.SUBDIR / entry
+    return world, x, store, first, tmp_path / executables.SUBDIR / entry
+
+
+def test_a_damaged_entry_is_reported_compiled_again_and_replaced(tmp_path):
+    world, x, store, first, path = _one_stored_program(tmp_path)
     path.write_bytes(b"not a pickle")
     with pytest.warns(UserWarning, match=r"executable store entry .* is unreadable"):
         again = aot.compile_step("f", _sin2(), x, store=store)
@@ -354,18 +360,13 @@ def test_a_flipped_bit_in_an_entry_is_caught_by_its_digest(tmp_path):
     the SHA-256 written with it differs, the entry is reported and compiled again, and the
     result is what the first compile computed."""
     import pickle
-    world = make_world("all", 8)
-    x = jax.device_put(np.arange(24, dtype=np.float32).reshape(8, 3), world.sharded())
-    store = _store(tmp_path)
-    first = aot.compile_step("f", _sin2(), x, store=store)
-    (entry,) = os.listdir(tmp_path / executables.SUBDIR)
-    path = tmp_path / executables.SUBDIR / entry
+    world, x, store, first, path = _one_stored_program(tmp_path)
     digest, body = pickle.loads(path.read_bytes())
     for where in (len(body) // 3, len(body) - 5):
         flipped = bytearray(body)
         flipped[where] ^= 0x10
         path.write_bytes(pickle.dumps((digest, bytes(flipped))))
-        assert store.out_info(entry, world.mesh) is None
+        assert store.out_info(path.name, world.mesh) is None
         with pytest.warns(UserWarning, match=r"is unreadable \(ValueError: its SHA-256 is not "
                                              r"the one written with it"):
             again = aot.compile_step("f", _sin2(), x, store=store)
