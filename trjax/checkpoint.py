@@ -82,10 +82,12 @@ class Manager(ocp.CheckpointManager):
         self.pending: concurrent.futures.Future | None = None  # the handed-off save call
 
     def close(self):
-        wait_handed_off(self)
-        if self.handoff is not None:
-            self.handoff.shutdown()
-        super().close()
+        try:
+            wait_handed_off(self)  # its error, if any, after orbax's own close below
+        finally:
+            if self.handoff is not None:
+                self.handoff.shutdown()
+            super().close()
 
 
 def manager(directory: str, max_to_keep: int = 3, asynchronous: bool = True) -> Manager:
