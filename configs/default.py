@@ -96,6 +96,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.executable_store = True      # with the cache: the compiled steps also stored whole, keyed by
     #                                config, data, code and versions, so a warm start traces
     #                                nothing (trjax.executables; single-process CPU runs)
+    c.executable_store_max_mb = 1024  # the store's size limit: least recently used programs go
     # multi-host (jax.distributed): see scripts/launch_local.py for N processes on one machine
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator = ""         # "host:port" of process 0

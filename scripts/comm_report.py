@@ -35,7 +35,8 @@ def main(argv):
     compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
     prepared = trainer.prepare(config)
     store = executables.open_store(config.executable_store, compilation.cache_dir(),
-                                   trainer.store_context(prepared))
+                                   trainer.store_context(prepared),
+                                   config.executable_store_max_mb)
     report = comm_report(trainer.setup(config, prepared=prepared, store=store))
     print(json.dumps(report, indent=2) if flags.FLAGS.json else format_report(report))
 

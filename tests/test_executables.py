@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 
 import jax
@@ -13,7 +14,7 @@ import numpy as np
 import pytest
 from helpers import small_config
 
-from trjax import aot, compilation, executables, input_pipeline, steps, trainer
+from trjax import aot, compilation, executables, input_pipeline, program_key, steps, trainer
 from trjax.state import train_state_program
 from trjax.world import make_world
 
@@ -80,7 +81,7 @@ def test_config_keys_left_out_of_the_key_do_not_enter_the_programs():
     once, the train step lowers to the same text and the key context is the same."""
     changed = dict(checkpoint_async=False, checkpoint_every_steps=5, compilation_cache=False,
                    compilation_cache_dir="/elsewhere", data_workers=0,
-                   executable_store=False, halt_after_steps=3, halt_on_nonfinite=True,
+                   executable_store=False, executable_store_max_mb=1, halt_after_steps=3, halt_on_nonfinite=True,
                    keep_checkpoints=1, log_every_steps=0, max_consecutive_overflows=2,
                    metrics_lag=2, preemption_check_every_steps=7, prefetch=0,
                    profile_steps="1:2", progress=False, resume=False, skip_bad_images=True,
@@ -294,7 +295,7 @@ def test_no_store_when_trjax_changed_on_disk_since_import(tmp_path, monkeypatch)
     no store, a warning. It stored them under the new code's key, and the next run of
     the new code loaded them (val top-1 0.303 against 0.367: the BN epsilon edited)."""
     import trjax
-    assert executables.source_digest() == trjax.SOURCE_DIGEST == trjax.source_digest_on_disk()
+    assert program_key.source_digest() == trjax.SOURCE_DIGEST == trjax.source_digest_on_disk()
     assert executables.open_store(True, str(tmp_path), ()) is not None
     monkeypatch.setattr(trjax, "SOURCE_DIGEST", "the digest of other files")
     with pytest.warns(UserWarning, match="source files changed since this process imported"):
@@ -332,8 +333,8 @@ def test_a_stored_initialisation_loads_beside_the_steps_and_a_damaged_one_compil
                 if f.startswith("create_train_state")]
     path = tmp_path / executables.SUBDIR / entry
     key = entry
-    assert executables.describe(store.out_info(key, tr.world.mesh)) == \
-        executables.describe(first.abstract)
+    assert program_key.describe(store.out_info(key, tr.world.mesh)) == \
+        program_key.describe(first.abstract)
     import hashlib
     digest, body = pickle.loads(path.read_bytes())
     fields = list(pickle.loads(body))
@@ -341,7 +342,7 @@ def test_a_stored_initialisation_loads_beside_the_steps_and_a_damaged_one_compil
     body = pickle.dumps(tuple(fields))
     path.write_bytes(pickle.dumps((hashlib.sha256(body).hexdigest(), body)))
     program = make()  # the record still reads: the results are known, nothing loaded yet
-    assert executables.describe(program.abstract) == executables.describe(first.abstract)
+    assert program_key.describe(program.abstract) == program_key.describe(first.abstract)
     with pytest.warns(UserWarning, match=r"executable store entry .* is unreadable"):
         state = program.finish()
     for a, b in zip(jax.tree_util.tree_leaves(reference), jax.tree_util.tree_leaves(state)):
@@ -352,7 +353,7 @@ def test_a_stored_initialisation_loads_beside_the_steps_and_a_damaged_one_compil
     path.write_bytes(b"not a pickle")  # no record: loaded (here: compiled) before returning
     with pytest.warns(UserWarning, match=r"executable store entry .* is unreadable"):
         program = make()
-    assert executables.describe(program.abstract) == executables.describe(first.abstract)
+    assert program_key.describe(program.abstract) == program_key.describe(first.abstract)
 
 
 def test_a_flipped_bit_in_an_entry_is_caught_by_its_digest(tmp_path):
@@ -371,3 +372,39 @@ def test_a_flipped_bit_in_an_entry_is_caught_by_its_digest(tmp_path):
                                              r"the one written with it"):
             again = aot.compile_step("f", _sin2(), x, store=store)
         np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
+
+
+def test_the_store_evicts_least_recently_used_entries_beyond_its_limit(tmp_path):
+    """Entries by hand (sizes and ages set): a write beyond ``max_bytes`` deletes the least
+    recently used ones, never one this process wrote or loaded; a load marks its entry
+    used; a writer's temporary file goes once an hour old."""
+    world, x, store, first, path = _one_stored_program(tmp_path)
+    size = path.stat().st_size
+    folder, now = path.parent, time.time()
+    for i, name in enumerate(["old-a", "old-b", "old-c"]):  # another process's entries
+        (folder / name).write_bytes(b"\0" * 1000)
+        os.utime(folder / name, (now - 300 + i, now - 300 + i))  # old-a least recent
+    for name, age in ((".killed.tmp", 7200), (".writing.tmp", 60)):
+        (folder / name).write_bytes(b"\0" * 10)
+        os.utime(folder / name, (now - age, now - age))
+    # a new process with a limit that holds the program and two of the three others
+    other = executables.ExecutableStore(str(folder), ("ctx",), max_bytes=size + 2000)
+    assert other.load(path.name) is not None  # marks the program used (now)
+    os.utime(path, (now - 1000, now - 1000))  # oldest on disk, but this process loaded it
+    assert other.evict() == [".killed.tmp", "old-a"]
+    assert sorted(os.listdir(folder)) == sorted([path.name, "old-b", "old-c", ".writing.tmp"])
+    other.max_bytes = 1  # even alone over the limit, the entry in use stays
+    assert other.evict() == ["old-b", "old-c"]
+    assert sorted(os.listdir(folder)) == sorted([path.name, ".writing.tmp"])
+    # a save evicts: a fresh process's write of the same program into a full store
+    (folder / "old-d").write_bytes(b"\0" * 1000)
+    os.utime(folder / "old-d", (now - 50, now - 50))
+    writer = executables.ExecutableStore(str(folder), ("ctx",), max_bytes=1)
+    assert writer.save(path.name, first.compiled, "m", "text")
+    assert sorted(os.listdir(folder)) == sorted([path.name, ".writing.tmp"])
+
+
+def test_the_store_size_limit_is_checked():
+    for bad in (0, -5, float("inf"), "1024", True, None):
+        with pytest.raises(ValueError, match=r"config.executable_store_max_mb=.* must be a number"):
+            executables.open_store(True, "/tmp", ("ctx",), bad)

@@ -50,6 +50,7 @@ FLOAT_RANGES = {  # key: (low, low included, high, high included); NaN is out of
     "step_timeout_s": (0.0, True, INF, False),  # 0: no watchdog
     "learning_rate": (0.0, False, INF, False), "topk_ratio": (0.0, False, 1.0, True),
     "compression_min_fraction": (0.0, True, 1.0, True),
+    "executable_store_max_mb": (0.0, False, INF, False),
 }
 """Numeric config keys and their valid ranges; anything else is an error naming the key."""
 

@@ -17,7 +17,7 @@ program instead, so that it can be looked up before tracing:
   (:func:`trjax.trainer.store_context`: the config less the keys that enter no
   program, the data's shape, dtype, classes, mean, std and sizes, the model,
   the plan and the mesh);
-* the environment (:func:`environment`): a digest of every trjax source file
+* the environment (:func:`trjax.program_key.environment`): a digest of every trjax source file
   as the process imported it, the versions of trjax, Python, jax, jaxlib,
   flax, optax and numpy, every jax config value but the cache's settings and
   every flax config value (both read ``JAX_*`` / ``FLAX_*`` environment
@@ -35,7 +35,15 @@ and shardings (:meth:`ExecutableStore.out_info`: a caller can go on with them
 while another thread loads the executable), pickled with the SHA-256 of the
 pickle (checked before anything is unpickled or loaded) into
 ``<compilation cache dir>/trjax_executables/<key>`` and written atomically.
-An entry that cannot be read is reported and replaced. Entries are pickles:
+An entry that cannot be read is reported and replaced.
+
+The store keeps at most ``max_bytes`` (``config.executable_store_max_mb``,
+1024 MB by default; each config's set of programs is about 4 MB on CPU): a
+load marks its entry used (its modification time), and after each write the
+least recently used entries go until the folder fits, as jax's own cache
+evicts with ``jax_compilation_cache_max_size``. The entries this process
+wrote or loaded stay. A temporary file left by a writer that was killed goes
+once it is an hour old. Entries are pickles:
 as for jax's cache directory, it must be the user's own (loading one runs
 code from it).
 
@@ -58,7 +66,6 @@ import contextlib
 import hashlib
 import os
 import pickle
-import sys
 import tempfile
 import threading
 import time
@@ -71,94 +78,11 @@ from jax.experimental import serialize_executable
 import trjax
 
 from trjax.compilation import BACKEND_COMPILE_EVENT, STORE_LOAD_EVENT, module_name
+from trjax.program_key import code_digest, describe, environment
 
 SUBDIR = "trjax_executables"
-_CACHE_SETTINGS = ("jax_compilation_cache", "jax_persistent_cache", "jax_enable_compilation_cache",
-                   "jax_raise_persistent_cache_errors", "jax_explain_cache_misses")
-_FORMAT = 4  # bump when the entry layout changes
-
-
-def source_digest() -> str:
-    """SHA-256 of every ``.py`` file of the trjax package as this process
-    imported it (:data:`trjax.SOURCE_DIGEST`)."""
-    return trjax.SOURCE_DIGEST
-
-
-def environment() -> dict:
-    """What besides the program and its context decides the executable: library
-    versions, jax's and flax's config values, ``XLA_FLAGS``, the backend and its devices."""
-    import flax
-    import jaxlib
-    import numpy
-    import optax
-    devices = jax.devices()
-    return {
-        "format": _FORMAT, "trjax_source": source_digest(), "python": sys.version,
-        "versions": [trjax.__version__, jax.__version__, jaxlib.__version__, flax.__version__,
-                     optax.__version__, numpy.__version__],
-        # every jax config value but where and when jax caches (a copied cache dir still hits)
-        "jax_config": sorted((k, repr(v)) for k, v in jax.config.values.items()
-                             if not k.startswith(_CACHE_SETTINGS)),
-        "flax_config": repr(flax.config),  # e.g. flax_fix_rng_separator: model.init's keys
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "backend": [devices[0].platform, devices[0].client.platform_version,
-                    jax.process_count(), jax.process_index()],
-        "devices": [(d.id, d.device_kind, d.process_index) for d in devices],
-    }
-
-
-def _code_digest(fn) -> str:
-    """A digest of the code ``fn`` runs: its qualified name, bytecode, constants
-    and names, with those of the nested functions it defines and of the
-    functions it closes over (also inside tuples, e.g. an exchange's
-    ``update``); other closed-over values count by type only (the caller's
-    context describes them)."""
-    h = hashlib.sha256()
-    seen: set = set()
-
-    def add_code(c):
-        h.update(getattr(c, "co_qualname", c.co_name).encode())
-        h.update(c.co_code)
-        h.update(repr(c.co_names).encode())
-        for k in c.co_consts:
-            if hasattr(k, "co_code"):
-                add_code(k)
-            else:
-                h.update(repr(k).encode())
-
-    def add(f):
-        if id(f) in seen:
-            return
-        seen.add(id(f))
-        f = getattr(f, "func", f)  # functools.partial
-        code = getattr(f, "__code__", None)
-        if code is None:
-            h.update(type(f).__qualname__.encode())
-            return
-        h.update(f"{getattr(f, '__module__', '')}.{getattr(f, '__qualname__', '')}".encode())
-        add_code(code)
-        for cell in f.__closure__ or ():
-            try:
-                v = cell.cell_contents
-            except ValueError:  # an empty cell
-                continue
-            items = v if isinstance(v, tuple) else (v,)
-            for x in items:
-                if callable(x) and hasattr(getattr(x, "func", x), "__code__"):
-                    add(x)
-                else:
-                    h.update(type(x).__qualname__.encode())
-
-    add(fn)
-    return h.hexdigest()
-
-
-def describe(tree) -> str:
-    """The tree structure of abstract arguments and each leaf's shape, dtype
-    and sharding (other leaves, e.g. Python numbers: their ``repr``)."""
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    return repr(treedef) + repr([(tuple(x.shape), str(x.dtype), repr(getattr(x, "sharding", None)))
-                                 if hasattr(x, "shape") else repr(x) for x in leaves])
+DEFAULT_MAX_MB = 1024
+_STALE_TMP_S = 3600.0  # a writer's temporary file this old was left by a killed process
 
 
 class ExecutableStore:
@@ -168,16 +92,22 @@ class ExecutableStore:
       directory: the folder of the entries (created on the first write).
       context: the caller's description of everything its step functions
         close over (a JSON-able or ``repr``-able value).
+      max_bytes: the folder's size limit in bytes; after each write the least
+        recently used entries (by modification time, which :meth:`load`
+        refreshes) are deleted until it fits, but never one this process
+        wrote or loaded (see :meth:`evict`).
     """
 
-    def __init__(self, directory: str, context):
+    def __init__(self, directory: str, context, max_bytes: int = DEFAULT_MAX_MB << 20):
         self.directory = directory
+        self.max_bytes = max_bytes
         self._base = repr((environment(), context))
+        self._used: set[str] = set()  # entries this process wrote or loaded: never evicted
 
     def key(self, name: str, fn, args, donate_argnums=(), options=None) -> str:
         """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``."""
         h = hashlib.sha256(self._base.encode())
-        h.update(repr((name, _code_digest(fn), describe(args), tuple(donate_argnums),
+        h.update(repr((name, code_digest(fn), describe(args), tuple(donate_argnums),
                        sorted((options or {}).items()))).encode())
         return f"{name}-{h.hexdigest()[:40]}"
 
@@ -232,6 +162,9 @@ class ExecutableStore:
             return None
         jax.monitoring.record_event_duration_secs(STORE_LOAD_EVENT, time.perf_counter() - t,
                                                   fun_name=module)
+        self._used.add(key)
+        with contextlib.suppress(OSError):  # a read-only store still loads
+            os.utime(path)  # used now: the last entry another process's eviction picks
         return compiled, module, text
 
     def out_info(self, key: str, mesh):
@@ -271,7 +204,50 @@ class ExecutableStore:
             warnings.warn(f"trjax: executable store: {key} not stored "
                           f"({type(e).__name__}: {str(e)[:200]})")
             return False
+        self._used.add(key)
+        self.evict()
         return True
+
+    def evict(self) -> list[str]:
+        """Deletes the least recently used entries until the folder holds at
+        most ``max_bytes``, and temporary files older than an hour (a killed
+        writer's). Entries this process wrote or loaded are kept, even when
+        they alone exceed the limit. Safe beside other processes: an entry
+        another one deletes first is skipped, and a load that finds its entry
+        gone compiles instead.
+
+        Returns:
+          the names deleted, least recently used first.
+        """
+        now, entries, deleted = time.time(), [], []
+        try:
+            names = os.listdir(self.directory)
+        except OSError:
+            return deleted
+        for name in names:
+            path = os.path.join(self.directory, name)
+            try:
+                st = os.stat(path)
+            except OSError:  # deleted meanwhile
+                continue
+            if name.startswith("."):
+                if now - st.st_mtime > _STALE_TMP_S:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                        deleted.append(name)
+                continue
+            entries.append((st.st_mtime, name, st.st_size))
+        total = sum(size for _, _, size in entries)
+        for _, name, size in sorted(entries):
+            if total <= self.max_bytes:
+                break
+            if name in self._used:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.directory, name))
+                deleted.append(name)
+            total -= size
+        return deleted
 
 
 def _read_entry(path: str) -> tuple:
@@ -372,7 +348,8 @@ def _compiled_here():
         jax.monitoring.unregister_event_duration_listener(on_duration)
 
 
-def open_store(enabled: bool, cache_dir: str | None, context) -> ExecutableStore | None:
+def open_store(enabled: bool, cache_dir: str | None, context,
+               max_mb: float = DEFAULT_MAX_MB) -> ExecutableStore | None:
     """The store under ``cache_dir`` (the persistent compilation cache's
     folder, :func:`trjax.compilation.cache_dir`), or ``None`` when ``enabled``
     is False, the compilation cache is off, the run is not a single-process
@@ -380,11 +357,21 @@ def open_store(enabled: bool, cache_dir: str | None, context) -> ExecutableStore
     them (a warning: the code it runs is no longer the code its key would
     name, and a module imported later may be the new one).
 
+    Args:
+      max_mb: ``config.executable_store_max_mb``, the store's size limit in
+        MB (2**20 bytes; least recently used entries go beyond it).
+
     Raises:
-      ValueError: ``enabled`` is not a bool (``config.executable_store``).
+      ValueError: ``enabled`` is not a bool (``config.executable_store``), or
+        ``max_mb`` is not a number > 0 (``config.executable_store_max_mb``).
     """
     if not isinstance(enabled, bool):
         raise ValueError(f"config.executable_store={enabled!r} must be True or False")
+    if isinstance(max_mb, bool) or not isinstance(max_mb, (int, float)) or not max_mb > 0 \
+            or max_mb == float("inf"):
+        raise ValueError(f"config.executable_store_max_mb={max_mb!r} must be a number of MB "
+                         f"> 0 (default {DEFAULT_MAX_MB}); to keep no programs, set "
+                         "config.executable_store=False")
     if not enabled or not cache_dir or jax.process_count() != 1 or \
             jax.devices()[0].platform != "cpu":
         return None
@@ -393,4 +380,4 @@ def open_store(enabled: bool, cache_dir: str | None, context) -> ExecutableStore
                       "the executable store is off for this run (it would store the old "
                       "code's programs)")
         return None
-    return ExecutableStore(os.path.join(cache_dir, SUBDIR), context)
+    return ExecutableStore(os.path.join(cache_dir, SUBDIR), context, int(max_mb * (1 << 20)))

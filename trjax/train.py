@@ -152,7 +152,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
     loop_io.parse_profile_steps(config.profile_steps)  # a bad value: error before compiling
     t = time.perf_counter()
     store = executables.open_store(config.executable_store, compilation.cache_dir(),
-                                   store_context(prepared))
+                                   store_context(prepared), config.executable_store_max_mb)
     tr = setup(config, prepared=prepared, store=store)
     seconds["setup"] = time.perf_counter() - t
     for c in tr.compiled:  # setup's builds of each step's program, filed under its name

@@ -104,10 +104,11 @@ def prepare(config: ml_collections.ConfigDict,
 
 OUTSIDE_PROGRAMS = (
     "checkpoint_async", "checkpoint_every_steps", "compilation_cache", "compilation_cache_dir",
-    "data_dir", "data_workers", "distributed", "executable_store", "halt_after_steps",
-    "halt_on_nonfinite", "keep_checkpoints", "log_every_steps", "max_consecutive_overflows",
-    "metrics_lag", "preemption_check_every_steps", "prefetch", "profile_steps", "progress",
-    "resume", "skip_bad_images", "step_timeout_s", "tensorboard", "verify_images")
+    "data_dir", "data_workers", "distributed", "executable_store", "executable_store_max_mb",
+    "halt_after_steps", "halt_on_nonfinite", "keep_checkpoints", "log_every_steps",
+    "max_consecutive_overflows", "metrics_lag", "preemption_check_every_steps", "prefetch",
+    "profile_steps", "progress", "resume", "skip_bad_images", "step_timeout_s", "tensorboard",
+    "verify_images")
 """Config keys that enter none of the programs :func:`setup` builds (they steer the
 loop, its I/O and where data and caches live; the data itself is described
 separately): left out of :func:`store_context`, so that runs differing only in
