@@ -374,7 +374,7 @@ def test_a_flipped_bit_in_an_entry_is_caught_by_its_digest(tmp_path):
         np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
 
 
-def test_the_store_evicts_least_recently_used_entries_beyond_its_limit(tmp_path):
+def test_the_store_evicts_least_recently_used_entries_beyond_its_limit(tmp_path, monkeypatch):
     """Entries by hand (sizes and ages set): a write beyond ``max_bytes`` deletes the least
     recently used ones, never one this process wrote or loaded; a load marks its entry
     used; a writer's temporary file goes once an hour old."""
@@ -384,6 +384,7 @@ def test_the_store_evicts_least_recently_used_entries_beyond_its_limit(tmp_path)
     for i, name in enumerate(["old-a", "old-b", "old-c"]):  # another process's entries
         (folder / name).write_bytes(b"\0" * 1000)
         os.utime(folder / name, (now - 300 + i, now - 300 + i))  # old-a least recent
+    (folder / "a-folder").mkdir()  # not an entry: left alone
     for name, age in ((".killed.tmp", 7200), (".writing.tmp", 60)):
         (folder / name).write_bytes(b"\0" * 10)
         os.utime(folder / name, (now - age, now - age))
@@ -392,16 +393,23 @@ def test_the_store_evicts_least_recently_used_entries_beyond_its_limit(tmp_path)
     assert other.load(path.name) is not None  # marks the program used (now)
     os.utime(path, (now - 1000, now - 1000))  # oldest on disk, but this process loaded it
     assert other.evict() == [".killed.tmp", "old-a"]
-    assert sorted(os.listdir(folder)) == sorted([path.name, "old-b", "old-c", ".writing.tmp"])
+    assert sorted(os.listdir(folder)) == sorted([path.name, "old-b", "old-c", ".writing.tmp",
+                                                 "a-folder"])
     other.max_bytes = 1  # even alone over the limit, the entry in use stays
     assert other.evict() == ["old-b", "old-c"]
-    assert sorted(os.listdir(folder)) == sorted([path.name, ".writing.tmp"])
+    assert sorted(os.listdir(folder)) == sorted([path.name, ".writing.tmp", "a-folder"])
     # a save evicts: a fresh process's write of the same program into a full store
     (folder / "old-d").write_bytes(b"\0" * 1000)
     os.utime(folder / "old-d", (now - 50, now - 50))
     writer = executables.ExecutableStore(str(folder), ("ctx",), max_bytes=1)
     assert writer.save(path.name, first.compiled, "m", "text")
-    assert sorted(os.listdir(folder)) == sorted([path.name, ".writing.tmp"])
+    assert sorted(os.listdir(folder)) == sorted([path.name, ".writing.tmp", "a-folder"])
+    (folder / "old-e").write_bytes(b"\0" * 1000)
+
+    def refused(path):
+        raise PermissionError(13, "Permission denied", path)
+    monkeypatch.setattr(os, "unlink", refused)  # a folder it may not write to (as a user)
+    assert writer.evict() == [] and (folder / "old-e").exists()  # nothing raised
 
 
 def test_the_store_size_limit_is_checked():

@@ -66,6 +66,7 @@ import contextlib
 import hashlib
 import os
 import pickle
+import stat
 import tempfile
 import threading
 import time
@@ -212,9 +213,10 @@ class ExecutableStore:
         """Deletes the least recently used entries until the folder holds at
         most ``max_bytes``, and temporary files older than an hour (a killed
         writer's). Entries this process wrote or loaded are kept, even when
-        they alone exceed the limit. Safe beside other processes: an entry
-        another one deletes first is skipped, and a load that finds its entry
-        gone compiles instead.
+        they alone exceed the limit; anything but a regular file is left
+        alone. Never raises: safe beside other processes (an entry another one
+        deletes first is skipped, and a load that finds its entry gone
+        compiles instead) and on a folder it may not write to.
 
         Returns:
           the names deleted, least recently used first.
@@ -230,6 +232,8 @@ class ExecutableStore:
                 st = os.stat(path)
             except OSError:  # deleted meanwhile
                 continue
+            if not stat.S_ISREG(st.st_mode):  # not the store's: left alone
+                continue
             if name.startswith("."):
                 if now - st.st_mtime > _STALE_TMP_S:
                     with contextlib.suppress(OSError):
@@ -243,7 +247,7 @@ class ExecutableStore:
                 break
             if name in self._used:
                 continue
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder
                 os.unlink(os.path.join(self.directory, name))
                 deleted.append(name)
             total -= size
