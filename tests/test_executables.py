@@ -416,3 +416,29 @@ def test_the_store_size_limit_is_checked():
     for bad in (0, -5, float("inf"), "1024", True, None):
         with pytest.raises(ValueError, match=r"config.executable_store_max_mb=.* must be a number"):
             executables.open_store(True, "/tmp", ("ctx",), bad)
+
+
+def test_the_store_eviction_skips_what_it_cannot_delete_and_leaves_links(tmp_path, monkeypatch):
+    """An entry it may not delete (another user's, in a shared folder with the sticky bit)
+    does not count as freed: the next least recently used goes instead. A symbolic link is
+    not a regular file: left alone, and its target's size not counted."""
+    folder, now = tmp_path / "store", time.time()
+    folder.mkdir()
+    for i, name in enumerate(["theirs", "old-a", "old-b"]):  # least recently used first
+        (folder / name).write_bytes(b"\0" * 1000)
+        os.utime(folder / name, (now - 300 + i, now - 300 + i))
+    target = tmp_path / "outside"
+    target.write_bytes(b"\0" * 5000)
+    (folder / "a-link").symlink_to(target)
+    os.utime(folder / "a-link", (now - 1000, now - 1000), follow_symlinks=False)
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if os.path.basename(path) == "theirs":
+            raise PermissionError(1, "Operation not permitted", path)
+        return real_unlink(path, *args, **kwargs)
+    monkeypatch.setattr(os, "unlink", unlink)
+    store = executables.ExecutableStore(str(folder), ("ctx",), max_bytes=2000)
+    assert store.evict() == ["old-a"]  # 3000 bytes of entries, "theirs" stays: "old-a" goes
+    assert sorted(os.listdir(folder)) == ["a-link", "old-b", "theirs"]
+    assert target.exists()

@@ -213,8 +213,9 @@ class ExecutableStore:
         """Deletes the least recently used entries until the folder holds at
         most ``max_bytes``, and temporary files older than an hour (a killed
         writer's). Entries this process wrote or loaded are kept, even when
-        they alone exceed the limit; anything but a regular file is left
-        alone. Never raises: safe beside other processes (an entry another one
+        they alone exceed the limit; anything but a regular file (a folder,
+        a symbolic link) is left alone, and an entry it may not delete counts
+        as still there (the next least recently used goes). Never raises: safe beside other processes (an entry another one
         deletes first is skipped, and a load that finds its entry gone
         compiles instead) and on a folder it may not write to.
 
@@ -229,7 +230,7 @@ class ExecutableStore:
         for name in names:
             path = os.path.join(self.directory, name)
             try:
-                st = os.stat(path)
+                st = os.lstat(path)  # a symbolic link is not followed: it is no entry
             except OSError:  # deleted meanwhile
                 continue
             if not stat.S_ISREG(st.st_mode):  # not the store's: left alone
@@ -247,9 +248,13 @@ class ExecutableStore:
                 break
             if name in self._used:
                 continue
-            with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder
+            try:
                 os.unlink(os.path.join(self.directory, name))
                 deleted.append(name)
+            except FileNotFoundError:  # another process deleted it first: freed all the same
+                pass
+            except OSError:  # not ours to delete (a read-only or sticky folder): still there
+                continue
             total -= size
         return deleted
 
