@@ -442,3 +442,27 @@ def test_the_store_eviction_skips_what_it_cannot_delete_and_leaves_links(tmp_pat
     assert store.evict() == ["old-a"]  # 3000 bytes of entries, "theirs" stays: "old-a" goes
     assert sorted(os.listdir(folder)) == ["a-link", "old-b", "theirs"]
     assert target.exists()
+
+
+def test_an_entry_another_process_evicts_while_it_is_looked_up_is_compiled_quietly(
+        tmp_path, monkeypatch):
+    """Another process's eviction may delete an entry between the store's check that it
+    exists and its read: that is an absent entry (compiled, stored again), not a damaged
+    one (it was reported as "unreadable")."""
+    world, x, store, first, path = _one_stored_program(tmp_path)
+    real_read = executables._read_entry
+
+    def evicted_first(p):
+        os.unlink(p)  # the other process's evict() wins the race
+        return real_read(p)
+    monkeypatch.setattr(executables, "_read_entry", evicted_first)
+    fresh = executables.ExecutableStore(store.directory, ("ctx",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fresh.load(path.name) is None
+    monkeypatch.setattr(executables, "_read_entry", real_read)
+    with compilation.CompileLog() as log, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = aot.compile_step("f", _sin2(), x, store=store)
+    assert [b.cache for b in log.builds] != ["store"] and path.exists()  # compiled, stored
+    np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))

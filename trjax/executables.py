@@ -145,7 +145,9 @@ class ExecutableStore:
         Records :data:`trjax.compilation.STORE_LOAD_EVENT` (``jax.monitoring``, the
         load's seconds, ``fun_name``: the module name), which
         :class:`trjax.compilation.CompileLog` files as a build served from the
-        store. An unreadable entry is reported (a warning) and treated as absent."""
+        store. An unreadable entry is reported (a warning) and treated as absent;
+        one deleted since its existence was checked (another process's
+        :meth:`evict`) is absent, silently."""
         path = os.path.join(self.directory, key)
         if not os.path.isfile(path):
             return None
@@ -157,6 +159,8 @@ class ExecutableStore:
             by_id = {d.id: d for d in jax.devices()}
             compiled = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
+        except FileNotFoundError:  # another process's eviction deleted it since: absent
+            return None
         except Exception as e:  # noqa: BLE001 - a damaged entry: compile as if absent
             warnings.warn(f"trjax: executable store entry {path} is unreadable "
                           f"({type(e).__name__}: {str(e)[:200]}); compiling instead")
