@@ -466,3 +466,12 @@ def test_an_entry_another_process_evicts_while_it_is_looked_up_is_compiled_quiet
         again = aot.compile_step("f", _sin2(), x, store=store)
     assert [b.cache for b in log.builds] != ["store"] and path.exists()  # compiled, stored
     np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
+
+
+def test_a_huge_finite_store_limit_is_no_limit(tmp_path):
+    """config.validate lets any finite limit through; in bytes 1e305 MB overflowed a float
+    and open_store raised a bare OverflowError ("cannot convert float infinity to integer")."""
+    for mb in (1e305, 1.7e308):
+        store = executables.open_store(True, str(tmp_path), ("ctx",), mb)
+        assert store is not None and store.max_bytes >= 2 ** 63 - 1
+    assert executables.open_store(True, str(tmp_path), ("ctx",), 0.5).max_bytes == 1 << 19

@@ -393,4 +393,6 @@ def open_store(enabled: bool, cache_dir: str | None, context,
                       "the executable store is off for this run (it would store the old "
                       "code's programs)")
         return None
-    return ExecutableStore(os.path.join(cache_dir, SUBDIR), context, int(max_mb * (1 << 20)))
+    # in bytes, at most 2**63 (any finite MB passes config.validate; 1e305 MB is no float)
+    max_bytes = int(min(max_mb * (1 << 20), float(1 << 63)))
+    return ExecutableStore(os.path.join(cache_dir, SUBDIR), context, max_bytes)
