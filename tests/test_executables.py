@@ -475,3 +475,18 @@ def test_a_huge_finite_store_limit_is_no_limit(tmp_path):
         store = executables.open_store(True, str(tmp_path), ("ctx",), mb)
         assert store is not None and store.max_bytes >= 2 ** 63 - 1
     assert executables.open_store(True, str(tmp_path), ("ctx",), 0.5).max_bytes == 1 << 19
+
+
+def test_the_store_keeps_an_entry_this_process_is_about_to_load(tmp_path):
+    """trjax.trainer.setup loads the state initialisation's entry on a thread (its key and
+    results' record taken first) while the main thread compiles and saves a missing step:
+    that save's eviction deleted the entry about to be loaded, when it was the least
+    recently used, and the initialisation was compiled again."""
+    world, x, store, first, path = _one_stored_program(tmp_path)
+    old = time.time() - 600
+    os.utime(path, (old, old))  # the least recently used entry
+    fresh = executables.ExecutableStore(store.directory, ("ctx",), max_bytes=1)
+    key = fresh.key("f", _sin2(), (x,))
+    assert key == path.name and fresh.out_info(key, world.mesh) is not None
+    fresh.save("another-program", first.compiled, "m", "text")  # the other thread's save
+    assert path.exists() and fresh.load(key) is not None

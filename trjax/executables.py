@@ -42,7 +42,7 @@ The store keeps at most ``max_bytes`` (``config.executable_store_max_mb``,
 load marks its entry used (its modification time), and after each write the
 least recently used entries go until the folder fits, as jax's own cache
 evicts with ``jax_compilation_cache_max_size``. The entries this process
-wrote or loaded stay. A temporary file left by a writer that was killed goes
+looked up, wrote or loaded stay. A temporary file left by a writer that was killed goes
 once it is an hour old. Entries are pickles:
 as for jax's cache directory, it must be the user's own (loading one runs
 code from it).
@@ -96,21 +96,25 @@ class ExecutableStore:
       max_bytes: the folder's size limit in bytes; after each write the least
         recently used entries (by modification time, which :meth:`load`
         refreshes) are deleted until it fits, but never one this process
-        wrote or loaded (see :meth:`evict`).
+        keyed (:meth:`key`), wrote or loaded (see :meth:`evict`).
     """
 
     def __init__(self, directory: str, context, max_bytes: int = DEFAULT_MAX_MB << 20):
         self.directory = directory
         self.max_bytes = max_bytes
         self._base = repr((environment(), context))
-        self._used: set[str] = set()  # entries this process wrote or loaded: never evicted
+        self._used: set[str] = set()  # entries this process keyed, wrote or loaded: never evicted
 
     def key(self, name: str, fn, args, donate_argnums=(), options=None) -> str:
-        """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``."""
+        """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``;
+        from now on an entry this process means to use, which :meth:`evict` keeps
+        (another thread's save may evict before this one's load)."""
         h = hashlib.sha256(self._base.encode())
         h.update(repr((name, code_digest(fn), describe(args), tuple(donate_argnums),
                        sorted((options or {}).items()))).encode())
-        return f"{name}-{h.hexdigest()[:40]}"
+        key = f"{name}-{h.hexdigest()[:40]}"
+        self._used.add(key)
+        return key
 
     def build(self, key: str, lower: Callable[[], Any], compiler_options=None):
         """``(compiled, lowered_text)``: entry ``key`` loaded (nothing traced),
@@ -216,7 +220,7 @@ class ExecutableStore:
     def evict(self) -> list[str]:
         """Deletes the least recently used entries until the folder holds at
         most ``max_bytes``, and temporary files older than an hour (a killed
-        writer's). Entries this process wrote or loaded are kept, even when
+        writer's). Entries this process keyed, wrote or loaded are kept, even when
         they alone exceed the limit; anything but a regular file (a folder,
         a symbolic link) is left alone, and an entry it may not delete counts
         as still there (the next least recently used goes). Never raises: safe beside other processes (an entry another one
