@@ -41,11 +41,11 @@ def test_every_float_key_takes_a_fraction_on_the_command_line(monkeypatch):
 
     for name in sorted(f for f in os.listdir(os.path.join(REPO, "configs"))
                        if f.endswith(".py") and not f.startswith("_")):
+        values = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", None, "", flag_values=values)
+        argv = ["prog", f"--config={os.path.join(REPO, 'configs', name)}",
+                *(f"--config.{key}=0.5" for key in config_lib.FLOAT_RANGES)]
+        monkeypatch.setattr("sys.argv", argv)  # ml_collections reads the overrides there
+        values(argv)
         for key in config_lib.FLOAT_RANGES:
-            values = flags.FlagValues()
-            config_flags.DEFINE_config_file("config", None, "", flag_values=values)
-            argv = ["prog", f"--config={os.path.join(REPO, 'configs', name)}",
-                    f"--config.{key}=0.5"]
-            monkeypatch.setattr("sys.argv", argv)  # ml_collections reads overrides there
-            values(argv)
             assert config_lib._get(values.config, key) == 0.5, (name, key)
