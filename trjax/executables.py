@@ -223,9 +223,10 @@ class ExecutableStore:
         writer's). Entries this process keyed, wrote or loaded are kept, even when
         they alone exceed the limit; anything but a regular file (a folder,
         a symbolic link) is left alone, and an entry it may not delete counts
-        as still there (the next least recently used goes). Never raises: safe beside other processes (an entry another one
-        deletes first is skipped, and a load that finds its entry gone
-        compiles instead) and on a folder it may not write to.
+        as still there (the next least recently used goes). Never raises:
+        safe beside other processes (an entry another one deletes first is
+        skipped, and a load that finds its entry gone compiles instead) and on
+        a folder it may not write to.
 
         Returns:
           the names deleted, least recently used first.
