@@ -106,9 +106,8 @@ class ExecutableStore:
         self._used: set[str] = set()  # entries this process keyed, wrote or loaded: never evicted
 
     def key(self, name: str, fn, args, donate_argnums=(), options=None) -> str:
-        """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``;
-        from now on an entry this process means to use, which :meth:`evict` keeps
-        (another thread's save may evict before this one's load)."""
+        """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``; kept
+        by :meth:`evict` from now on (another thread's save may evict before a load)."""
         h = hashlib.sha256(self._base.encode())
         h.update(repr((name, code_digest(fn), describe(args), tuple(donate_argnums),
                        sorted((options or {}).items()))).encode())
@@ -149,9 +148,8 @@ class ExecutableStore:
         Records :data:`trjax.compilation.STORE_LOAD_EVENT` (``jax.monitoring``, the
         load's seconds, ``fun_name``: the module name), which
         :class:`trjax.compilation.CompileLog` files as a build served from the
-        store. An unreadable entry is reported (a warning) and treated as absent;
-        one deleted since its existence was checked (another process's
-        :meth:`evict`) is absent, silently."""
+        store. An unreadable entry is reported (a warning) and treated as absent; one
+        another process's :meth:`evict` deleted after the check is absent, silently."""
         path = os.path.join(self.directory, key)
         if not os.path.isfile(path):
             return None
@@ -398,6 +396,5 @@ def open_store(enabled: bool, cache_dir: str | None, context,
                       "the executable store is off for this run (it would store the old "
                       "code's programs)")
         return None
-    # in bytes, at most 2**63 (any finite MB passes config.validate; 1e305 MB is no float)
-    max_bytes = int(min(max_mb * (1 << 20), float(1 << 63)))
+    max_bytes = int(min(max_mb * (1 << 20), float(1 << 63)))  # 1e305 MB: over a float's range
     return ExecutableStore(os.path.join(cache_dir, SUBDIR), context, max_bytes)
