@@ -96,7 +96,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.executable_store = True      # with the cache: the compiled steps also stored whole, keyed by
     #                                config, data, code and versions, so a warm start traces
     #                                nothing (trjax.executables; single-process CPU runs)
-    c.executable_store_max_mb = 1024  # the store's size limit: least recently used programs go
+    c.executable_store_max_mb = 1024.0  # the store's size limit: least recently used programs go
     # multi-host (jax.distributed): see scripts/launch_local.py for N processes on one machine
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator = ""         # "host:port" of process 0
@@ -105,5 +105,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.distributed.auto = True              # start the run srun / mpirun / JAX_COORDINATOR_ADDRESS
     #                                        describe (trjax.distributed.detect_launch)
     c.distributed.heartbeat_timeout_s = 30  # a dead peer makes the survivors exit after ~this
-    c.step_timeout_s = 600                 # watchdog: exit non-zero if no step finishes this long
+    c.step_timeout_s = 600.0               # watchdog: exit non-zero if no step finishes this long
     return c

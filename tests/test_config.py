@@ -29,3 +29,23 @@ def test_every_numeric_key_has_a_range():
         set(config_lib.FLOAT_RANGES) | set(CHECKED_ELSEWHERE)
     missing = sorted(set(_numeric_keys(module.get_config())) - ranged)
     assert not missing, f"numeric config keys without a range check: {missing}"
+
+
+def test_every_float_key_takes_a_fraction_on_the_command_line(monkeypatch):
+    """A key of FLOAT_RANGES whose default is an int parses its command-line
+    override with int() (ml_collections keeps the default's type):
+    ``--config.executable_store_max_mb=0.5`` or ``--config.step_timeout_s=0.5``
+    failed in flag parsing ("invalid literal for int()")."""
+    from absl import flags
+    from ml_collections import config_flags
+
+    for name in sorted(f for f in os.listdir(os.path.join(REPO, "configs"))
+                       if f.endswith(".py") and not f.startswith("_")):
+        values = flags.FlagValues()
+        config_flags.DEFINE_config_file("config", None, "", flag_values=values)
+        argv = ["prog", f"--config={os.path.join(REPO, 'configs', name)}",
+                *(f"--config.{key}=0.5" for key in config_lib.FLOAT_RANGES)]
+        monkeypatch.setattr("sys.argv", argv)  # ml_collections reads the overrides there
+        values(argv)
+        for key in config_lib.FLOAT_RANGES:
+            assert config_lib._get(values.config, key) == 0.5, (name, key)

@@ -416,3 +416,77 @@ def test_the_store_size_limit_is_checked():
     for bad in (0, -5, float("inf"), "1024", True, None):
         with pytest.raises(ValueError, match=r"config.executable_store_max_mb=.* must be a number"):
             executables.open_store(True, "/tmp", ("ctx",), bad)
+
+
+def test_the_store_eviction_skips_what_it_cannot_delete_and_leaves_links(tmp_path, monkeypatch):
+    """An entry it may not delete (another user's, in a shared folder with the sticky bit)
+    does not count as freed: the next least recently used goes instead. A symbolic link is
+    not a regular file: left alone, and its target's size not counted."""
+    folder, now = tmp_path / "store", time.time()
+    folder.mkdir()
+    for i, name in enumerate(["theirs", "old-a", "old-b"]):  # least recently used first
+        (folder / name).write_bytes(b"\0" * 1000)
+        os.utime(folder / name, (now - 300 + i, now - 300 + i))
+    target = tmp_path / "outside"
+    target.write_bytes(b"\0" * 5000)
+    (folder / "a-link").symlink_to(target)
+    os.utime(folder / "a-link", (now - 1000, now - 1000), follow_symlinks=False)
+    real_unlink = os.unlink
+
+    def unlink(path, *args, **kwargs):
+        if os.path.basename(path) == "theirs":
+            raise PermissionError(1, "Operation not permitted", path)
+        return real_unlink(path, *args, **kwargs)
+    monkeypatch.setattr(os, "unlink", unlink)
+    store = executables.ExecutableStore(str(folder), ("ctx",), max_bytes=2000)
+    assert store.evict() == ["old-a"]  # 3000 bytes of entries, "theirs" stays: "old-a" goes
+    assert sorted(os.listdir(folder)) == ["a-link", "old-b", "theirs"]
+    assert target.exists()
+
+
+def test_an_entry_another_process_evicts_while_it_is_looked_up_is_compiled_quietly(
+        tmp_path, monkeypatch):
+    """Another process's eviction may delete an entry between the store's check that it
+    exists and its read: that is an absent entry (compiled, stored again), not a damaged
+    one (it was reported as "unreadable")."""
+    world, x, store, first, path = _one_stored_program(tmp_path)
+    real_read = executables._read_entry
+
+    def evicted_first(p):
+        os.unlink(p)  # the other process's evict() wins the race
+        return real_read(p)
+    monkeypatch.setattr(executables, "_read_entry", evicted_first)
+    fresh = executables.ExecutableStore(store.directory, ("ctx",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert fresh.load(path.name) is None
+    monkeypatch.setattr(executables, "_read_entry", real_read)
+    with compilation.CompileLog() as log, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = aot.compile_step("f", _sin2(), x, store=store)
+    assert [b.cache for b in log.builds] != ["store"] and path.exists()  # compiled, stored
+    np.testing.assert_array_equal(np.asarray(again(x)), np.asarray(first(x)))
+
+
+def test_a_huge_finite_store_limit_is_no_limit(tmp_path):
+    """config.validate lets any finite limit through; in bytes 1e305 MB overflowed a float
+    and open_store raised a bare OverflowError ("cannot convert float infinity to integer")."""
+    for mb in (1e305, 1.7e308):
+        store = executables.open_store(True, str(tmp_path), ("ctx",), mb)
+        assert store is not None and store.max_bytes >= 2 ** 63 - 1
+    assert executables.open_store(True, str(tmp_path), ("ctx",), 0.5).max_bytes == 1 << 19
+
+
+def test_the_store_keeps_an_entry_this_process_is_about_to_load(tmp_path):
+    """trjax.trainer.setup loads the state initialisation's entry on a thread (its key and
+    results' record taken first) while the main thread compiles and saves a missing step:
+    that save's eviction deleted the entry about to be loaded, when it was the least
+    recently used, and the initialisation was compiled again."""
+    world, x, store, first, path = _one_stored_program(tmp_path)
+    old = time.time() - 600
+    os.utime(path, (old, old))  # the least recently used entry
+    fresh = executables.ExecutableStore(store.directory, ("ctx",), max_bytes=1)
+    key = fresh.key("f", _sin2(), (x,))
+    assert key == path.name and fresh.out_info(key, world.mesh) is not None
+    fresh.save("another-program", first.compiled, "m", "text")  # the other thread's save
+    assert path.exists() and fresh.load(key) is not None

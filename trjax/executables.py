@@ -38,11 +38,11 @@ pickle (checked before anything is unpickled or loaded) into
 An entry that cannot be read is reported and replaced.
 
 The store keeps at most ``max_bytes`` (``config.executable_store_max_mb``,
-1024 MB by default; each config's set of programs is about 4 MB on CPU): a
+1024 MB by default; the main job's five programs take 7.5 MB on CPU): a
 load marks its entry used (its modification time), and after each write the
 least recently used entries go until the folder fits, as jax's own cache
 evicts with ``jax_compilation_cache_max_size``. The entries this process
-wrote or loaded stay. A temporary file left by a writer that was killed goes
+looked up, wrote or loaded stay. A temporary file left by a writer that was killed goes
 once it is an hour old. Entries are pickles:
 as for jax's cache directory, it must be the user's own (loading one runs
 code from it).
@@ -96,21 +96,24 @@ class ExecutableStore:
       max_bytes: the folder's size limit in bytes; after each write the least
         recently used entries (by modification time, which :meth:`load`
         refreshes) are deleted until it fits, but never one this process
-        wrote or loaded (see :meth:`evict`).
+        keyed (:meth:`key`), wrote or loaded (see :meth:`evict`).
     """
 
     def __init__(self, directory: str, context, max_bytes: int = DEFAULT_MAX_MB << 20):
         self.directory = directory
         self.max_bytes = max_bytes
         self._base = repr((environment(), context))
-        self._used: set[str] = set()  # entries this process wrote or loaded: never evicted
+        self._used: set[str] = set()  # entries this process keyed, wrote or loaded: never evicted
 
     def key(self, name: str, fn, args, donate_argnums=(), options=None) -> str:
-        """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``."""
+        """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``; kept
+        by :meth:`evict` from now on (another thread's save may evict before a load)."""
         h = hashlib.sha256(self._base.encode())
         h.update(repr((name, code_digest(fn), describe(args), tuple(donate_argnums),
                        sorted((options or {}).items()))).encode())
-        return f"{name}-{h.hexdigest()[:40]}"
+        key = f"{name}-{h.hexdigest()[:40]}"
+        self._used.add(key)
+        return key
 
     def build(self, key: str, lower: Callable[[], Any], compiler_options=None):
         """``(compiled, lowered_text)``: entry ``key`` loaded (nothing traced),
@@ -145,7 +148,8 @@ class ExecutableStore:
         Records :data:`trjax.compilation.STORE_LOAD_EVENT` (``jax.monitoring``, the
         load's seconds, ``fun_name``: the module name), which
         :class:`trjax.compilation.CompileLog` files as a build served from the
-        store. An unreadable entry is reported (a warning) and treated as absent."""
+        store. An unreadable entry is reported (a warning) and treated as absent; one
+        another process's :meth:`evict` deleted after the check is absent, silently."""
         path = os.path.join(self.directory, key)
         if not os.path.isfile(path):
             return None
@@ -157,6 +161,8 @@ class ExecutableStore:
             by_id = {d.id: d for d in jax.devices()}
             compiled = serialize_executable.deserialize_and_load(
                 payload, in_tree, out_tree, execution_devices=[by_id[i] for i in device_ids])
+        except FileNotFoundError:  # another process's eviction deleted it since: absent
+            return None
         except Exception as e:  # noqa: BLE001 - a damaged entry: compile as if absent
             warnings.warn(f"trjax: executable store entry {path} is unreadable "
                           f"({type(e).__name__}: {str(e)[:200]}); compiling instead")
@@ -212,11 +218,13 @@ class ExecutableStore:
     def evict(self) -> list[str]:
         """Deletes the least recently used entries until the folder holds at
         most ``max_bytes``, and temporary files older than an hour (a killed
-        writer's). Entries this process wrote or loaded are kept, even when
-        they alone exceed the limit; anything but a regular file is left
-        alone. Never raises: safe beside other processes (an entry another one
-        deletes first is skipped, and a load that finds its entry gone
-        compiles instead) and on a folder it may not write to.
+        writer's). Entries this process keyed, wrote or loaded are kept, even when
+        they alone exceed the limit; anything but a regular file (a folder,
+        a symbolic link) is left alone, and an entry it may not delete counts
+        as still there (the next least recently used goes). Never raises:
+        safe beside other processes (an entry another one deletes first is
+        skipped, and a load that finds its entry gone compiles instead) and on
+        a folder it may not write to.
 
         Returns:
           the names deleted, least recently used first.
@@ -229,7 +237,7 @@ class ExecutableStore:
         for name in names:
             path = os.path.join(self.directory, name)
             try:
-                st = os.stat(path)
+                st = os.lstat(path)  # a symbolic link is not followed: it is no entry
             except OSError:  # deleted meanwhile
                 continue
             if not stat.S_ISREG(st.st_mode):  # not the store's: left alone
@@ -247,9 +255,13 @@ class ExecutableStore:
                 break
             if name in self._used:
                 continue
-            with contextlib.suppress(OSError):  # gone meanwhile, or a read-only folder
+            try:
                 os.unlink(os.path.join(self.directory, name))
                 deleted.append(name)
+            except FileNotFoundError:  # another process deleted it first: freed all the same
+                pass
+            except OSError:  # not ours to delete (a read-only or sticky folder): still there
+                continue
             total -= size
         return deleted
 
@@ -384,4 +396,5 @@ def open_store(enabled: bool, cache_dir: str | None, context,
                       "the executable store is off for this run (it would store the old "
                       "code's programs)")
         return None
-    return ExecutableStore(os.path.join(cache_dir, SUBDIR), context, int(max_mb * (1 << 20)))
+    max_bytes = int(min(max_mb * (1 << 20), float(1 << 63)))  # 1e305 MB: over a float's range
+    return ExecutableStore(os.path.join(cache_dir, SUBDIR), context, max_bytes)
