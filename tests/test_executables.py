@@ -34,10 +34,15 @@ def test_a_second_setup_loads_every_program_untraced_and_computes_the_same_bits(
     assert names == ["create_train_state", "eval_reduce", "eval_step", "fold_bn", "train_step"]
 
     second = trainer.prepare(c)  # a new process would build these objects again
-    with compilation.CompileLog() as log:
-        tr2 = trainer.setup(c, prepared=second,
-                            store=_store(tmp_path, trainer.store_context(second)))
+    other = tmp_path / executables.SUBDIR / "another-config"  # another config's program
+    other.write_bytes(b"\0" * 1000)
+    os.utime(other, (time.time() - 600, time.time() - 600))
+    with compilation.CompileLog() as log:  # a limit below this run's own programs
+        tr2 = trainer.setup(c, prepared=second, store=executables.ExecutableStore(
+            str(tmp_path / executables.SUBDIR), trainer.store_context(second), max_bytes=1))
     assert [b.cache for b in log.builds] == ["store"] * 5, log.builds
+    # the set-up evicted once at its end: the other config's program, none of its own
+    assert sorted(f.split("-")[0] for f in os.listdir(tmp_path / executables.SUBDIR)) == names
     assert {compilation.program_key(b.program) for b in log.builds} == {
         "jit_create", *(compilation.program_key(compilation.step_program(s))
                         for s in tr2.compiled)}
@@ -385,25 +390,30 @@ def test_the_store_evicts_least_recently_used_entries_beyond_its_limit(tmp_path,
         (folder / name).write_bytes(b"\0" * 1000)
         os.utime(folder / name, (now - 300 + i, now - 300 + i))  # old-a least recent
     (folder / "a-folder").mkdir()  # not an entry: left alone
-    for name, age in ((".killed.tmp", 7200), (".writing.tmp", 60)):
+    hexkey = "0123456789" * 4
+    killed, writing = f".f-{hexkey}.kx3q_a1", f".g-{hexkey}.zz9_b2"  # save's temporary names
+    for name, age in ((killed, 7200), (writing, 60), (".user-notes", 7200)):
         (folder / name).write_bytes(b"\0" * 10)
         os.utime(folder / name, (now - age, now - age))
     # a new process with a limit that holds the program and two of the three others
     other = executables.ExecutableStore(str(folder), ("ctx",), max_bytes=size + 2000)
     assert other.load(path.name) is not None  # marks the program used (now)
     os.utime(path, (now - 1000, now - 1000))  # oldest on disk, but this process loaded it
-    assert other.evict() == [".killed.tmp", "old-a"]
-    assert sorted(os.listdir(folder)) == sorted([path.name, "old-b", "old-c", ".writing.tmp",
-                                                 "a-folder"])
+    assert other.evict() == [killed, "old-a"]  # an old hidden file not named as save's stays
+    assert sorted(os.listdir(folder)) == sorted([path.name, "old-b", "old-c", writing,
+                                                 "a-folder", ".user-notes"])
     other.max_bytes = 1  # even alone over the limit, the entry in use stays
     assert other.evict() == ["old-b", "old-c"]
-    assert sorted(os.listdir(folder)) == sorted([path.name, ".writing.tmp", "a-folder"])
-    # a save evicts: a fresh process's write of the same program into a full store
+    assert sorted(os.listdir(folder)) == sorted([path.name, writing, "a-folder", ".user-notes"])
+    # a write does not evict (trainer.setup evicts once, at its end); the writer's evict
+    # keeps what it wrote
     (folder / "old-d").write_bytes(b"\0" * 1000)
     os.utime(folder / "old-d", (now - 50, now - 50))
     writer = executables.ExecutableStore(str(folder), ("ctx",), max_bytes=1)
     assert writer.save(path.name, first.compiled, "m", "text")
-    assert sorted(os.listdir(folder)) == sorted([path.name, ".writing.tmp", "a-folder"])
+    assert (folder / "old-d").exists()
+    assert writer.evict() == ["old-d"]
+    assert sorted(os.listdir(folder)) == sorted([path.name, writing, "a-folder", ".user-notes"])
     (folder / "old-e").write_bytes(b"\0" * 1000)
 
     def refused(path):
@@ -489,4 +499,4 @@ def test_the_store_keeps_an_entry_this_process_is_about_to_load(tmp_path):
     key = fresh.key("f", _sin2(), (x,))
     assert key == path.name and fresh.out_info(key, world.mesh) is not None
     fresh.save("another-program", first.compiled, "m", "text")  # the other thread's save
-    assert path.exists() and fresh.load(key) is not None
+    assert fresh.evict() == [] and path.exists() and fresh.load(key) is not None

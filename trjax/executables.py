@@ -39,11 +39,10 @@ An entry that cannot be read is reported and replaced.
 
 The store keeps at most ``max_bytes`` (``config.executable_store_max_mb``,
 1024 MB by default; the main job's five programs take 7.5 MB on CPU): a
-load marks its entry used (its modification time), and after each write the
-least recently used entries go until the folder fits, as jax's own cache
-evicts with ``jax_compilation_cache_max_size``. The entries this process
-looked up, wrote or loaded stay. A temporary file left by a writer that was killed goes
-once it is an hour old. Entries are pickles:
+load marks its entry used (its modification time), and once a set-up has
+keyed all its programs (:func:`trjax.trainer.setup`) the least recently used
+entries go until the folder fits (:meth:`ExecutableStore.evict`), as jax's
+cache does with ``jax_compilation_cache_max_size``. Entries are pickles:
 as for jax's cache directory, it must be the user's own (loading one runs
 code from it).
 
@@ -66,6 +65,7 @@ import contextlib
 import hashlib
 import os
 import pickle
+import re
 import stat
 import tempfile
 import threading
@@ -77,12 +77,12 @@ import jax
 from jax.experimental import serialize_executable
 
 import trjax
-
 from trjax.compilation import BACKEND_COMPILE_EVENT, STORE_LOAD_EVENT, module_name
 from trjax.program_key import code_digest, describe, environment
 
 SUBDIR = "trjax_executables"
 DEFAULT_MAX_MB = 1024
+_TMP_NAME = re.compile(r"\..+-[0-9a-f]{40}\.[^.]+$")  # save's mkstemp: .<key>.<random>
 _STALE_TMP_S = 3600.0  # a writer's temporary file this old was left by a killed process
 
 
@@ -93,10 +93,11 @@ class ExecutableStore:
       directory: the folder of the entries (created on the first write).
       context: the caller's description of everything its step functions
         close over (a JSON-able or ``repr``-able value).
-      max_bytes: the folder's size limit in bytes; after each write the least
+      max_bytes: the folder's size limit in bytes: :meth:`evict` (which
+        :func:`trjax.trainer.setup` calls once at its end) deletes the least
         recently used entries (by modification time, which :meth:`load`
-        refreshes) are deleted until it fits, but never one this process
-        keyed (:meth:`key`), wrote or loaded (see :meth:`evict`).
+        refreshes) until it fits, but never one this process keyed
+        (:meth:`key`), wrote or loaded.
     """
 
     def __init__(self, directory: str, context, max_bytes: int = DEFAULT_MAX_MB << 20):
@@ -107,7 +108,7 @@ class ExecutableStore:
 
     def key(self, name: str, fn, args, donate_argnums=(), options=None) -> str:
         """The entry name for ``fn`` compiled as ``name`` for the abstract ``args``; kept
-        by :meth:`evict` from now on (another thread's save may evict before a load)."""
+        by :meth:`evict` from now on."""
         h = hashlib.sha256(self._base.encode())
         h.update(repr((name, code_digest(fn), describe(args), tuple(donate_argnums),
                        sorted((options or {}).items()))).encode())
@@ -212,19 +213,16 @@ class ExecutableStore:
                           f"({type(e).__name__}: {str(e)[:200]})")
             return False
         self._used.add(key)
-        self.evict()
         return True
 
     def evict(self) -> list[str]:
         """Deletes the least recently used entries until the folder holds at
-        most ``max_bytes``, and temporary files older than an hour (a killed
-        writer's). Entries this process keyed, wrote or loaded are kept, even when
-        they alone exceed the limit; anything but a regular file (a folder,
-        a symbolic link) is left alone, and an entry it may not delete counts
-        as still there (the next least recently used goes). Never raises:
-        safe beside other processes (an entry another one deletes first is
-        skipped, and a load that finds its entry gone compiles instead) and on
-        a folder it may not write to.
+        most ``max_bytes``, and :meth:`save`'s temporary files once an hour
+        old (a killed writer's). Kept: entries this process keyed, wrote or
+        loaded (even alone over the limit), anything else (folders, links,
+        other hidden files), and what it may not delete (the next entry goes
+        instead). Never raises; an entry another process deletes first counts
+        as freed, and a load that finds its entry gone compiles instead.
 
         Returns:
           the names deleted, least recently used first.
@@ -242,8 +240,8 @@ class ExecutableStore:
                 continue
             if not stat.S_ISREG(st.st_mode):  # not the store's: left alone
                 continue
-            if name.startswith("."):
-                if now - st.st_mtime > _STALE_TMP_S:
+            if name.startswith("."):  # a writer's temporary file (``save``), or not ours
+                if _TMP_NAME.match(name) and now - st.st_mtime > _STALE_TMP_S:
                     with contextlib.suppress(OSError):
                         os.unlink(path)
                         deleted.append(name)

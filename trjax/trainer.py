@@ -147,7 +147,9 @@ def setup(config: ml_collections.ConfigDict,
       prepared: the output of :func:`prepare` for this config, if already built.
       store: an :class:`trjax.executables.ExecutableStore` keyed with
         :func:`store_context` of ``prepared``: programs found there are loaded
-        without tracing, the others are compiled and stored.
+        without tracing, the others are compiled and stored; at the end the
+        store evicts its least recently used entries beyond its size limit
+        (:meth:`~trjax.executables.ExecutableStore.evict`).
 
     Raises:
       ValueError: an invalid config, device spec or batch split (before
@@ -192,6 +194,8 @@ def setup(config: ml_collections.ConfigDict,
         eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape,
                                        store=store)
         state = pending_state.result()
+    if store is not None:  # once, with every program of this run keyed: none of them goes
+        store.evict()
     return dataclasses.replace(tr, plan=plan.with_memory(train_step.memory()), state=state,
                                train_step=train_step, fold_bn=fold_bn, eval_step=eval_step,
                                eval_reduce=eval_reduce)
