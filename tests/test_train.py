@@ -150,6 +150,10 @@ def test_comm_report_default_config():
     ("halt_after_steps", 2 ** 31, "config.halt_after_steps=2147483648 must be an int in [0, "),
     ("prefetch", -1, "config.prefetch=-1 must be an int in [0, 2147483647]"),
     ("learning_rate", float("inf"), "config.learning_rate=inf must be in (0, inf)"),
+    ("executable_store_max_mb", 0.0, "config.executable_store_max_mb=0.0 must be in (0, inf) "
+     "(MB, default 1024.0); to store no programs, set config.executable_store=False"),
+    ("step_timeout_s", -1.0, "config.step_timeout_s=-1.0 must be in [0, inf) (seconds; 0 "
+     "turns the watchdog off)"),
     ("conv_lowering", "gemm", "config.conv_lowering='gemm' is not one of"),
     ("data_dir", "/data/x", "config.data_dir='/data/x' is set but dataset='digits' is built in"),
 ])

@@ -53,6 +53,11 @@ FLOAT_RANGES = {  # key: (low, low included, high, high included); NaN is out of
     "executable_store_max_mb": (0.0, False, INF, False),
 }
 """Numeric config keys and their valid ranges; anything else is an error naming the key."""
+_RANGE_HINTS = {
+    "executable_store_max_mb": " (MB, default 1024.0); to store no programs, set "
+                               "config.executable_store=False",
+    "step_timeout_s": " (seconds; 0 turns the watchdog off)",
+}
 
 
 def _get(c, key: str):
@@ -104,7 +109,7 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
             low <= v if low_in else low < v) and (v <= high if high_in else v < high)
         if not ok:
             raise ValueError(f"config.{key}={v!r} must be in {'[' if low_in else '('}{low:g}, "
-                             f"{high:g}{']' if high_in else ')'}")
+                             f"{high:g}{']' if high_in else ')'}{_RANGE_HINTS.get(key, '')}")
     if c.data_dir and c.dataset == "digits":
         raise ValueError(f"config.data_dir={c.data_dir!r} is set but dataset='digits' is built "
                          "in and reads no folder; choose the dataset that folder holds "
