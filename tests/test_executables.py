@@ -496,7 +496,7 @@ def test_the_store_keeps_an_entry_this_process_is_about_to_load(tmp_path):
     old = time.time() - 600
     os.utime(path, (old, old))  # the least recently used entry
     fresh = executables.ExecutableStore(store.directory, ("ctx",), max_bytes=1)
-    key = fresh.key("f", _sin2(), (x,))
+    key = fresh.key("f", _sin2(), (x,), (), aot.compiler_options((x,)))  # as compile_step keys it
     assert key == path.name and fresh.out_info(key, world.mesh) is not None
     fresh.save("another-program", first.compiled, "m", "text")  # the other thread's save
     assert fresh.evict() == [] and path.exists() and fresh.load(key) is not None
