@@ -264,13 +264,17 @@ from trjax.world import make_world
 def orthonormal(x):  # a QR: a LAPACK custom call on CPU (as PowerSGD's step makes)
     return jnp.linalg.qr(x)[0]
 
+def doubled(x):  # no LAPACK call
+    return x * 2
+
 world = make_world("2-5", 4)  # 4 of the 8 devices
 x = jax.device_put(np.arange(48, dtype=np.float32).reshape(4, 4, 3) + np.eye(4, 3, dtype=np.float32),
                    world.sharded())
 with compilation.CompileLog() as log:
-    step = aot.compile_step("qr", orthonormal, x,
+    step = aot.compile_step(sys.argv[2], {"qr": orthonormal, "double": doubled}[sys.argv[2]], x,
                             store=executables.ExecutableStore(sys.argv[1], ("qr",)))
-print(json.dumps([[b.cache for b in log.builds], np.asarray(step(x)).tolist()]))
+out = np.asarray(step(x)).tolist()
+print(json.dumps([[b.cache for b in log.builds], out, "scipy.linalg" in sys.modules]))
 """
 
 
@@ -281,16 +285,19 @@ def test_a_program_calling_lapack_runs_when_loaded_in_a_fresh_process(tmp_path):
     nothing crashed with a segmentation fault at the first call: PowerSGD's step)."""
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(
         os.path.abspath(executables.__file__)))}
-    runs = [subprocess.run([sys.executable, "-c", _LAPACK_SCRIPT, str(tmp_path / "store")],
+    runs = [subprocess.run([sys.executable, "-c", _LAPACK_SCRIPT, str(tmp_path / "store"), name],
                            env=env, capture_output=True, text=True, timeout=120)
-            for _ in range(2)]
+            for name in ("qr", "qr", "double", "double")]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
-    (built, q), (loaded, again) = (json.loads(r.stdout.splitlines()[-1]) for r in runs)
+    (built, q, _), (loaded, again, lapack_set_up), (_, d, _), (loaded_d, d_again, scipy_in) = (
+        json.loads(r.stdout.splitlines()[-1]) for r in runs)
     assert built == ["off"] and loaded == ["store"], (built, loaded)  # compiled, then loaded
-    assert again == q
+    assert again == q and lapack_set_up  # the kernels' pointers come from scipy's LAPACK
     for m in np.asarray(q):
         np.testing.assert_allclose(m.T @ m, np.eye(3), atol=1e-5)
+    # a program without LAPACK calls loads without that set-up (scipy: 0.19 s of a warm start)
+    assert loaded_d == ["store"] and d_again == d and not scipy_in
 
 
 def test_no_store_when_trjax_changed_on_disk_since_import(tmp_path, monkeypatch):
