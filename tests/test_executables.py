@@ -267,11 +267,16 @@ def orthonormal(x):  # a QR: a LAPACK custom call on CPU (as PowerSGD's step mak
 def doubled(x):  # no LAPACK call
     return x * 2
 
+def gram_factors(x):  # Cholesky and a symmetric eigensolver: two other LAPACK routines
+    g = jnp.einsum("bij,bik->bjk", x, x) + jnp.eye(3)
+    return jnp.linalg.cholesky(g) + jnp.linalg.eigh(g)[1]
+
 world = make_world("2-5", 4)  # 4 of the 8 devices
 x = jax.device_put(np.arange(48, dtype=np.float32).reshape(4, 4, 3) + np.eye(4, 3, dtype=np.float32),
                    world.sharded())
 with compilation.CompileLog() as log:
-    step = aot.compile_step(sys.argv[2], {"qr": orthonormal, "double": doubled}[sys.argv[2]], x,
+    step = aot.compile_step(sys.argv[2], {"qr": orthonormal, "double": doubled,
+                                                     "gram": gram_factors}[sys.argv[2]], x,
                             store=executables.ExecutableStore(sys.argv[1], ("qr",)))
 out = np.asarray(step(x)).tolist()
 print(json.dumps([[b.cache for b in log.builds], out, "scipy.linalg" in sys.modules]))
@@ -287,11 +292,12 @@ def test_a_program_calling_lapack_runs_when_loaded_in_a_fresh_process(tmp_path):
         os.path.abspath(executables.__file__)))}
     runs = [subprocess.run([sys.executable, "-c", _LAPACK_SCRIPT, str(tmp_path / "store"), name],
                            env=env, capture_output=True, text=True, timeout=120)
-            for name in ("qr", "qr", "double", "double")]
+            for name in ("qr", "qr", "double", "double", "gram", "gram")]
     for run in runs:
         assert run.returncode == 0, run.stderr[-2000:]
-    (built, q, _), (loaded, again, lapack_set_up), (_, d, _), (loaded_d, d_again, scipy_in) = (
-        json.loads(r.stdout.splitlines()[-1]) for r in runs)
+    (built, q, _), (loaded, again, lapack_set_up), (_, d, _), (loaded_d, d_again, scipy_in), \
+        (_, g, _), (loaded_g, g_again, _) = (json.loads(r.stdout.splitlines()[-1]) for r in runs)
+    assert loaded_g == ["store"] and g_again == g  # potrf and syevd: set up as well
     assert built == ["off"] and loaded == ["store"], (built, loaded)  # compiled, then loaded
     assert again == q and lapack_set_up  # the kernels' pointers come from scipy's LAPACK
     for m in np.asarray(q):
