@@ -105,10 +105,15 @@ def test_route_a_pythonpath_trains_one_step(tmp_path, wheels):
                if os.path.basename(w).lower().startswith(("ml_collections", "tensorboardx"))]
     env = _env(PYTHONPATH=os.pathsep.join([str(repo), *carried]))
     work = tmp_path / "run"
+    # the programs of gpu_check's dry-run main job (resnet8, 2 devices, batch 32, 2 epochs;
+    # halt_after_steps and tensorboard enter no program): after conftest's script_dry_runs
+    # the session's executable store holds them, so the route loads them instead of
+    # compiling (run alone, it compiles them)
     _run([py, str(repo / "scripts" / "train.py"), "--config", str(repo / "configs" / "default.py"),
-          "--workdir", str(work), "--config.model=resnet8", "--config.num_epochs=1",
+          "--workdir", str(work), "--config.model=resnet8", "--config.num_epochs=2",
           "--config.halt_after_steps=1", "--config.cpu_devices=2", "--config.progress=False",
-          "--config.tensorboard=True", "--config.eval_batch_size=360"], tmp_path, env)
+          "--config.tensorboard=True", "--config.global_batch_size=32",
+          "--config.eval_batch_size=32"], tmp_path, env)
     summary = json.loads((work / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["world_size"] == 2
     assert glob.glob(str(work / "tensorboard" / "events.out.tfevents.*"))
