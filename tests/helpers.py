@@ -39,6 +39,13 @@ def setup(world_spec="all", global_batch=32, bn_mode="sync", lr=0.1, opt="sgd", 
     return world, model, plan, tx, state
 
 
+def script_xla_flags() -> str:
+    """This process's ``XLA_FLAGS`` less conftest's forced device count (a script sets its
+    own count): conftest's LLVM level for the scripts a test runs at that level."""
+    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
+                    if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def skip_train_step_compile(monkeypatch):
     """For tests of the evaluation programs only: ``trjax.train.setup`` then builds the
     state, ``fold_bn``, ``eval_step`` and ``eval_reduce`` as always, but its train step is

@@ -103,12 +103,13 @@ def test_route_a_pythonpath_trains_one_step(tmp_path, wheels):
     repo, py = _repo_copy(tmp_path / "repo"), _fresh_venv(tmp_path)
     carried = [w for w in glob.glob(str(wheels / "*.whl"))
                if os.path.basename(w).lower().startswith(("ml_collections", "tensorboardx"))]
-    env = _env(PYTHONPATH=os.pathsep.join([str(repo), *carried]))
+    # the programs of gpu_check's dry-run main job (resnet8, 2 devices, batch 32, 2 epochs,
+    # conftest's LLVM level; halt_after_steps and tensorboard enter no program): after
+    # conftest's script_dry_runs the session's executable store holds them, so the route
+    # loads them instead of compiling (run alone, it compiles them)
+    from helpers import script_xla_flags
+    env = _env(PYTHONPATH=os.pathsep.join([str(repo), *carried]), XLA_FLAGS=script_xla_flags())
     work = tmp_path / "run"
-    # the programs of gpu_check's dry-run main job (resnet8, 2 devices, batch 32, 2 epochs;
-    # halt_after_steps and tensorboard enter no program): after conftest's script_dry_runs
-    # the session's executable store holds them, so the route loads them instead of
-    # compiling (run alone, it compiles them)
     _run([py, str(repo / "scripts" / "train.py"), "--config", str(repo / "configs" / "default.py"),
           "--workdir", str(work), "--config.model=resnet8", "--config.num_epochs=2",
           "--config.halt_after_steps=1", "--config.cpu_devices=2", "--config.progress=False",
