@@ -113,7 +113,7 @@ def test_lars_bn_scale_stays_one_and_kernel_gets_trust_ratio_update():
     rng = np.random.default_rng(0)
     grads = jax.tree_util.tree_map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
     grads["stem_bn"]["scale"] = np.zeros_like(grads["stem_bn"]["scale"])
-    updates, _ = tx.update(grads, tx.init(params), params)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)  # one program
     new = optax.apply_updates(params, updates)
     assert np.all(np.asarray(new["stem_bn"]["scale"]) == 1.0)
     # BN bias: plain SGD, no decay, no trust ratio
