@@ -6,7 +6,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 # LLVM at -O1 for the programs this process compiles (not for users' runs, nor for the
 # scripts the tests start, which drop these flags, except the session's two dry runs,
-# script_dry_runs below, and test_install's route A, which loads their programs): the suite is dominated by compiling many
+# script_dry_runs below, and test_install's route A, which loads their programs): the
+# suite is dominated by compiling many
 # small distinct programs, and level 1 compiles them ~20% faster (tests/test_exchange.py +
 # test_steps.py: 169 -> 135 s on 2 cores). XLA's HLO passes are the same; LLVM may round a
 # few operations differently, so numeric comparisons are within this process or, against a
