@@ -33,9 +33,9 @@ def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4(monkeypatch):
         from trjax import models
         m = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None,
                                 input_mean=data.mean, input_std=data.std)
-        logits = m.apply({"params": to_host(tr.state.params),
-                          "batch_stats": to_host(tr.state.batch_stats)}, data.val.images,
-                         train=False)
+        logits = jax.jit(lambda v, x: m.apply(v, x, train=False))(  # one program, not op by op
+            {"params": to_host(tr.state.params), "batch_stats": to_host(tr.state.batch_stats)},
+            data.val.images)
         assert r["top1"] == np.mean(np.argmax(np.asarray(logits), 1) == data.val.labels)
         fractions[n] = r["sums"]
     assert fractions[1][1:] == fractions[2][1:] == fractions[4][1:]
@@ -113,7 +113,7 @@ def test_lars_bn_scale_stays_one_and_kernel_gets_trust_ratio_update():
     rng = np.random.default_rng(0)
     grads = jax.tree_util.tree_map(lambda x: rng.normal(size=x.shape).astype(np.float32), params)
     grads["stem_bn"]["scale"] = np.zeros_like(grads["stem_bn"]["scale"])
-    updates, _ = tx.update(grads, tx.init(params), params)
+    updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)  # one program
     new = optax.apply_updates(params, updates)
     assert np.all(np.asarray(new["stem_bn"]["scale"]) == 1.0)
     # BN bias: plain SGD, no decay, no trust ratio

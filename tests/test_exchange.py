@@ -98,25 +98,28 @@ def test_compression_bf16_halves_requested_bytes_and_stays_close(reference):
 
 
 def test_compressor_state_is_carried():
-    """Step 2 sends top-k of (gradient + step 1's error): the state is read back."""
+    """Step 2 sends top-k of (gradient + step 1's error): the state is read back. (One
+    compiled step serves every run: two runs from the same start, each from a fresh state.)"""
     topk = compression.make_compressor("topk", ratio=0.05)
-    _, _, one, m = _one_step(compressor=topk)
+    world, model, plan, tx, _ = setup("all", 32, "running")
+    ex = exchange.compressed(tx, plan, topk)
+    fresh_state = lambda: create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1),
+                                             "running")
+    batch = lambda seed: jax.device_put(random_batch(32, seed=seed), world.sharded())
+    step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, "running"),
+                            fresh_state(), batch(5), donate_argnums=0)
+    state, m = step(fresh_state(), batch(5))
+    one, m = to_host(state), np.asarray(m)
     err = one.comm_state["deep"]["error"]
     assert err.shape[0] == 8 and np.abs(err).max() > 0  # error feedback, one row per replica
     assert m[3] == 32
-    _, _, two, _ = _one_step(compressor=topk, batches=2)
+    two = to_host(step(state, batch(6))[0])
     # the same second step with the error zeroed: the sent update differs
-    world, model, plan, tx, _ = setup("all", 32, "running")
-    ex = exchange.compressed(tx, plan, topk)
-    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), "running")
-    step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, "running"),
-                            state, jax.device_put(random_batch(32, seed=5), world.sharded()),
-                            donate_argnums=0)
-    state, _ = step(state, jax.device_put(random_batch(32, seed=5), world.sharded()))
+    state, _ = step(fresh_state(), batch(5))
     np.testing.assert_array_equal(to_host(state.comm_state)["deep"]["error"], err)
     zeroed = state.replace(comm_state=jax.tree_util.tree_map(
         lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), state.comm_state))
-    fresh, _ = step(zeroed, jax.device_put(random_batch(32, seed=6), world.sharded()))
+    fresh, _ = step(zeroed, batch(6))
     assert max_rel(to_host(fresh.params), two.params) > 1e-6
     # error feedback conserves the gradient: sent + kept = error_1 + new gradient
     assert not np.array_equal(two.comm_state["deep"]["error"],

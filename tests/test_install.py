@@ -103,12 +103,18 @@ def test_route_a_pythonpath_trains_one_step(tmp_path, wheels):
     repo, py = _repo_copy(tmp_path / "repo"), _fresh_venv(tmp_path)
     carried = [w for w in glob.glob(str(wheels / "*.whl"))
                if os.path.basename(w).lower().startswith(("ml_collections", "tensorboardx"))]
-    env = _env(PYTHONPATH=os.pathsep.join([str(repo), *carried]))
+    # the programs of gpu_check's dry-run main job (resnet8, 2 devices, batch 32, 2 epochs,
+    # conftest's LLVM level; halt_after_steps and tensorboard enter no program): after
+    # conftest's script_dry_runs the session's executable store holds them, so the route
+    # loads them instead of compiling (run alone, it compiles them)
+    from helpers import script_xla_flags
+    env = _env(PYTHONPATH=os.pathsep.join([str(repo), *carried]), XLA_FLAGS=script_xla_flags())
     work = tmp_path / "run"
     _run([py, str(repo / "scripts" / "train.py"), "--config", str(repo / "configs" / "default.py"),
-          "--workdir", str(work), "--config.model=resnet8", "--config.num_epochs=1",
+          "--workdir", str(work), "--config.model=resnet8", "--config.num_epochs=2",
           "--config.halt_after_steps=1", "--config.cpu_devices=2", "--config.progress=False",
-          "--config.tensorboard=True", "--config.eval_batch_size=360"], tmp_path, env)
+          "--config.tensorboard=True", "--config.global_batch_size=32",
+          "--config.eval_batch_size=32"], tmp_path, env)
     summary = json.loads((work / "summary.json").read_text())
     assert summary["steps"] == 1 and summary["world_size"] == 2
     assert glob.glob(str(work / "tensorboard" / "events.out.tfevents.*"))

@@ -18,9 +18,10 @@ def _host_eval(model_name, data, params, batch_stats):
     from trjax import models
     model = models.create_model(model_name, num_classes=data.num_classes, bn_mode="running",
                                 axis_name=None, input_mean=data.mean, input_std=data.std)
-    logits = np.asarray(model.apply({"params": jax.tree_util.tree_map(np.asarray, params),
-                                     "batch_stats": jax.tree_util.tree_map(np.asarray, batch_stats)},
-                                    data.val.images, train=False), np.float64)
+    logits = np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(  # one program
+        {"params": jax.tree_util.tree_map(np.asarray, params),
+         "batch_stats": jax.tree_util.tree_map(np.asarray, batch_stats)}, data.val.images),
+        np.float64)
     y = data.val.labels
     rank = np.sum(logits > logits[np.arange(len(y)), y][:, None], 1)
     logp = logits - logits.max(1, keepdims=True)
@@ -99,8 +100,8 @@ def test_validation_metrics_identical_for_world_sizes_1_2_8(monkeypatch):
                                 input_mean=tr1.data.mean, input_std=tr1.data.std)
     p = jax.tree_util.tree_map(np.asarray, tr1.state.params)
     bs = jax.tree_util.tree_map(np.asarray, tr1.state.batch_stats)
-    logits = np.asarray(model.apply({"params": p, "batch_stats": bs}, tr1.data.val.images, train=False),
-                        np.float64)
+    logits = np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(  # one program
+        {"params": p, "batch_stats": bs}, tr1.data.val.images), np.float64)
     y = tr1.data.val.labels
     top1 = np.sum(np.argmax(logits, 1) == y)
     rank = np.sum(logits > logits[np.arange(len(y)), y][:, None], 1)
