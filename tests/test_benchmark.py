@@ -56,7 +56,8 @@ def test_tiny_cpu_mode(script_dry_runs):
     assert cpu.returncode == 0, cpu.stdout[-3000:] + cpu.stderr[-3000:]
     info = json.loads((cpu_out / "benchmark.json").read_text())["results"][0]["info"]
     assert info["memory_not_donated"]["peak"] > info["memory_donated"]["peak"]
-    assert info["not_donated_flops_match"]
+    assert info["not_donated_flops_match"] and info["flops_per_device"] > 0
+    assert abs(info["flops_per_device_not_donated"] / info["flops_per_device"] - 1) <= 1e-6
 
     r = _check_outputs(cpu_out, ["trjax/two", "trjax/per_leaf"], world=2, worlds=[1, 2])
     assert r["meta"]["mode"] == "cpu"

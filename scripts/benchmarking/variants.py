@@ -66,8 +66,13 @@ class JaxVariant:
                                         *tr.train_step.signature)
             self.info["memory_not_donated"] = nodonate.memory()
             self.info["compile_s_not_donated"] = nodonate.compile_s
-            # same program apart from aliasing: the flops agree
-            self.info["not_donated_flops_match"] = nodonate.cost().get("flops") == flops_dev
+            # the same program apart from aliasing: the flops agree, to the few scalar ops
+            # that copy insertion may recompute instead of copying (region analysis on CPU,
+            # trjax.aot.CPU_COMPILER_OPTIONS: 16 of 72 million flops for ResNet-8, world 1)
+            flops_nd = nodonate.cost().get("flops", 0.0)
+            self.info["flops_per_device_not_donated"] = flops_nd
+            self.info["not_donated_flops_match"] = bool(
+                flops_dev > 0 and abs(flops_nd - flops_dev) <= 1e-6 * flops_dev)
             del nodonate
         self.skipped = 0
         self._jax = jax
