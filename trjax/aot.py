@@ -25,10 +25,10 @@ Copy insertion with region analysis: the train step writes the new parameters,
 momenta and step count into the donated state's buffers, and XLA duplicates the
 momentum arithmetic into the parameter's fusion, so without the analysis it
 copies each momentum (and each decayed kernel) before overwriting it: 88 copies
-per device and step in the main job, 22 with it. The values are the same bits
-(same fusions, fewer copies); the main job's world-8 train step took 0.90-1.02x
-the wall and 0.90-0.97x the CPU, five runs each in one process, alternating epochs
-(``docs/performance.md``, seventh round)."""
+per device and step in the main job, 22 with it (XLA may recompute a few scalars
+instead of copying them). The results are the same bits; the main job's world-8
+train step took 0.90-1.02x the wall and 0.90-0.97x the CPU, five runs each in one
+process, alternating epochs (``docs/performance.md``, seventh round)."""
 
 
 def compiler_options(example_args) -> dict | None:
