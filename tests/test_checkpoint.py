@@ -498,14 +498,16 @@ def test_an_interrupted_wait_keeps_the_handed_off_save_pending(tmp_path, monkeyp
     monkeypatch.setattr(ocp.CheckpointManager, "save", held)
     checkpoint.save(mngr, _stand_in(step=5), {"epoch": 1, "batch": 5})
     assert started.wait(60)
-    # a real SIGINT while finish waits, sent to the main thread: sent to the process, the
-    # kernel may hand it to another of the suite's many threads, and the main thread's wait
-    # is then not interrupted (it failed that way once in a full run: a 60 s wait)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
-    ctrl_c = functools.partial(signal.pthread_kill, threading.main_thread().ident, signal.SIGINT)
+    # a real SIGINT while finish waits, with Python's own handler: a suite started with `&`
+    # from a script inherits SIGINT ignored (the test then waited 60 s and failed)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c = functools.partial(os.kill, os.getpid(), signal.SIGINT)
     threading.Timer(0.2, ctrl_c).start()
-    with pytest.raises(KeyboardInterrupt):
-        checkpoint.finish(mngr)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            checkpoint.finish(mngr)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert mngr.pending is not None and not mngr.pending.done()
     threading.Timer(0.2, release.set).start()
     checkpoint.finish(mngr)  # waits for the held call, then for orbax's write

@@ -249,11 +249,35 @@ def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
 def test_ctrl_c_is_a_stop_request_and_a_second_one_is_not_swallowed(capsys):
     """SIGINT while the loop runs sets the stop flag (the loop then saves and exits 130)
     instead of raising KeyboardInterrupt mid-step; outside the loop Python's handler is back."""
-    before = signal.getsignal(signal.SIGINT)
-    with stops.StopSignals() as signals:
-        os.kill(os.getpid(), signal.SIGINT)
-        assert signals.should_stop(1) == "SIGINT"
-        assert signal.getsignal(signal.SIGINT) == signals._handler
+    # Python's own handler, whatever this process inherited (a suite started with `&` from
+    # a script inherits SIGINT ignored, and StopSignals leaves an ignored signal alone)
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with stops.StopSignals() as signals:
+            os.kill(os.getpid(), signal.SIGINT)
+            assert signals.should_stop(1) == "SIGINT"
+            assert signal.getsignal(signal.SIGINT) == signals._handler
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     assert "Ctrl-C: stopping after this step with a checkpoint" in capsys.readouterr().err
-    assert signal.getsignal(signal.SIGINT) is before
     assert stops.EXIT_INTERRUPTED == 130 and "SIGINT" in stops.SIGNALS
+
+
+def test_a_signal_the_process_inherited_ignored_stays_ignored():
+    """A job a script started in the background (``cmd &``) inherits SIGINT ignored, so
+    that a Ctrl-C meant for the script does not reach it; Python then installs no
+    KeyboardInterrupt, and trjax's stop handler must not take SIGINT over either. The
+    other signals it was not told to ignore still become stop requests."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with stops.StopSignals() as signals:
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGINT)  # ignored: no stop request
+            assert signals.should_stop(1) is None
+            assert signal.getsignal(signal.SIGTERM) == signals._handler
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert signals.should_stop(2) == "SIGTERM"
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)

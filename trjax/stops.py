@@ -55,6 +55,9 @@ class StopSignals:
 
     A second signal while the first is being handled ends the process at
     once (the signal's default action), as schedulers' "kill now" expects.
+    A signal the process finds ignored (``SIG_IGN``, e.g. SIGINT of a job a
+    script started with ``&``, or under ``nohup``-like launchers) stays
+    ignored, as Python leaves an ignored SIGINT without its KeyboardInterrupt.
     Handlers can only be installed from the main thread; elsewhere (e.g. a
     training call on a worker thread) the signals keep their handlers and
     :meth:`should_stop` only sees :meth:`request`.
@@ -91,7 +94,7 @@ class StopSignals:
         if threading.current_thread() is threading.main_thread():
             for name in SIGNALS:
                 sig = getattr(signal, name, None)
-                if sig is not None:
+                if sig is not None and signal.getsignal(sig) is not signal.SIG_IGN:
                     self._previous[sig] = signal.signal(sig, self._handler)
         return self
 
