@@ -104,12 +104,10 @@ def child_env(a) -> tuple[dict, list[str]]:
         os.pathsep) if p])
     if a.dry_run:
         env["JAX_PLATFORMS"] = "cpu"
-        # the scripts set the simulated device count themselves (jax_num_cpu_devices): a
-        # forced count in XLA_FLAGS would contradict it; the caller's other flags stay
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if not f.startswith("--xla_force_host_platform_device_count")]
+        from benchmarking.common import without_forced_device_count  # stdlib only
+        flags = without_forced_device_count(env.get("XLA_FLAGS", ""))  # the rest stays
         if flags:
-            env["XLA_FLAGS"] = " ".join(flags)
+            env["XLA_FLAGS"] = flags
         else:
             env.pop("XLA_FLAGS", None)
     return env, wheels

@@ -12,7 +12,9 @@ from trjax.state import create_train_state
 from trjax.world import make_world
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "configs"))
+sys.path.append(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # benchmarking
 import default as default_config  # noqa: E402
+from benchmarking.common import without_forced_device_count  # noqa: E402
 
 IMAGE_SHAPE = (8, 8, 1)
 
@@ -42,8 +44,7 @@ def setup(world_spec="all", global_batch=32, bn_mode="sync", lr=0.1, opt="sgd", 
 def script_xla_flags() -> str:
     """This process's ``XLA_FLAGS`` less conftest's forced device count (a script sets its
     own count): conftest's LLVM level for the scripts a test runs at that level."""
-    return " ".join(f for f in os.environ.get("XLA_FLAGS", "").split()
-                    if not f.startswith("--xla_force_host_platform_device_count"))
+    return without_forced_device_count(os.environ.get("XLA_FLAGS", ""))
 
 
 def skip_train_step_compile(monkeypatch):

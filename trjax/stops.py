@@ -56,8 +56,8 @@ class StopSignals:
     A second signal while the first is being handled ends the process at
     once (the signal's default action), as schedulers' "kill now" expects.
     A signal the process finds ignored (``SIG_IGN``, e.g. SIGINT of a job a
-    script started with ``&``, or under ``nohup``-like launchers) stays
-    ignored, as Python leaves an ignored SIGINT without its KeyboardInterrupt.
+    non-interactive shell started with ``&``) stays ignored, as Python leaves
+    an ignored SIGINT without its KeyboardInterrupt.
     Handlers can only be installed from the main thread; elsewhere (e.g. a
     training call on a worker thread) the signals keep their handlers and
     :meth:`should_stop` only sees :meth:`request`.

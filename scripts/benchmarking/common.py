@@ -124,11 +124,17 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     return a
 
 
+def without_forced_device_count(flags: str) -> str:
+    """``flags`` (an ``XLA_FLAGS`` value) less ``--xla_force_host_platform_device_count``:
+    trjax's scripts set the simulated device count themselves (``jax_num_cpu_devices``),
+    and a stale forced count would conflict; every other flag is kept."""
+    return " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
+
+
 def configure_environment(a: argparse.Namespace) -> None:
     """Everything that must be set before jax is imported."""
-    flags = " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), a.xla_flags) if f).strip()
-    # the device count comes from jax_num_cpu_devices; a stale forced count would conflict
-    flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
+    flags = without_forced_device_count(
+        " ".join(f for f in (os.environ.get("XLA_FLAGS", ""), a.xla_flags) if f))
     if flags:
         os.environ["XLA_FLAGS"] = flags
     else:
