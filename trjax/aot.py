@@ -18,17 +18,28 @@ import jax
 import numpy as np
 
 
-CPU_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True}
+CPU_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True,
+                        "xla_backend_optimization_level": 1}
 """XLA:CPU options every step is compiled with (:func:`compile_step`).
 
-Copy insertion with region analysis: the train step writes the new parameters,
-momenta and step count into the donated state's buffers, and XLA duplicates the
-momentum arithmetic into the parameter's fusion, so without the analysis it
-copies each momentum (and each decayed kernel) before overwriting it: 88 copies
-per device and step in the main job, 22 with it (XLA may recompute a few scalars
-instead of copying them). The results are the same bits; the main job's world-8
-train step took 0.90-1.02x the wall and 0.90-0.97x the CPU, five runs each in one
-process, alternating epochs (``docs/performance.md``, seventh round)."""
+* Copy insertion with region analysis: the train step writes the new
+  parameters, momenta and step count into the donated state's buffers, and XLA
+  duplicates the momentum arithmetic into the parameter's fusion, so without the
+  analysis it copies each momentum (and each decayed kernel) before overwriting
+  it: 88 copies per device and step in the main job, 22 with it (XLA may
+  recompute a few scalars instead of copying them). The results are the same
+  bits; the main job's world-8 train step took 0.90-1.02x the wall and
+  0.90-0.97x the CPU, five runs each in one process, alternating epochs.
+* LLVM at level 1 (``-O1``; jaxlib's default is 3): the big kernels run in
+  YNNPACK and Eigen, so what LLVM optimises is elementwise and reduction
+  fusions, and level 3 mostly costs compile time. The main job's train step
+  compiles in 3.8 s (6.3 s of CPU) against 4.8 s (8.3 s); its steps take
+  1.002x the time (20 alternating epochs in one process). LLVM may round a
+  few operations differently: the main job's 15 epochs give the same bits,
+  ResNet-8 on 2 devices differs by a few ulps after a step, within the
+  rounding of a reordered sum (``tests/test_aot.py``).
+
+Both measured in ``docs/performance.md`` (seventh and eighth rounds)."""
 
 
 def compiler_options(example_args) -> dict | None:

@@ -62,14 +62,17 @@ def state_specs(bn_mode: str, exchange=None) -> TrainState:
                       comm_state=comm_specs)
 
 
-INIT_CPU_OPTIMIZATION_LEVEL = 1
-"""XLA:CPU backend (LLVM) optimisation level of the state-initialisation
-program. At jaxlib's default (3) LLVM spends most of a cold start-up on it
-(the threefry hashes and normal transforms of every parameter's initialiser:
-ResNet-20, 8 devices, 14-18 s); level 1 compiles it about 3x faster and gives
-the same bits (checked against the default level for ResNet-20 and, in
-``tests/test_state.py``, ResNet-8; level 0 does not: 1 ulp in some normals).
-The program runs once, so its speed does not matter."""
+INIT_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1,
+                             "xla_cpu_use_fusion_emitters": False}
+"""XLA:CPU options of the state-initialisation program. It is made of the
+threefry hashes and normal transforms of every parameter's initialiser, which
+LLVM at jaxlib's default level (3) compiled in 14-18 s for ResNet-20 on 8
+devices; level 1 compiles it about 3x faster, and XLA's older elemental
+emitters instead of its MLIR fusion emitters take another 0.6-0.8 s of CPU off
+(the main job: 2.8 against 3.5 s of CPU for trace, compile, run and check).
+Both give the bits of jaxlib's defaults (ResNet-20 and, in ``tests/test_aot.py``,
+ResNet-8); level 0 does not (1 ulp in some normals). The program runs once, so
+its speed does not matter."""
 
 
 class TrainStateProgram(NamedTuple):
@@ -167,8 +170,7 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
     shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp),
                                        state_specs(bn_mode, exchange),
                                        is_leaf=lambda x: isinstance(x, P))
-    options = ({"xla_backend_optimization_level": INIT_CPU_OPTIMIZATION_LEVEL}
-               if world.devices[0].platform == "cpu" else None)
+    options = dict(INIT_CPU_COMPILER_OPTIONS) if world.devices[0].platform == "cpu" else None
     sig = jax.ShapeDtypeStruct(seed.shape, seed.dtype, sharding=seed.sharding)
     key = None if store is None else store.key(  # the key's impl: rbg and unsafe_rbg keys
         "create_train_state", create,             # have the same data, not the same bits
