@@ -8,9 +8,11 @@ import time
 
 import numpy as np
 
-from helpers import max_rel, small_config, to_host
+from helpers import assert_within_reorder_rounding, max_rel, small_config, to_host
 from trjax import checkpoint, stops
+from trjax.state import create_train_state
 from trjax.train import train_and_evaluate
+from trjax.trainer import prepare
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TRAIN = [os.path.join(ROOT, "scripts", "train.py"), "--config", os.path.join(ROOT, "configs", "default.py"),
@@ -24,20 +26,35 @@ def _env():
 
 
 def test_two_processes_match_one_process(tmp_path):
-    opts = ["--config.num_epochs=1", "--config.bn_mode=sync"]
+    """2 processes x 4 devices against 1 process x 8 devices, one epoch (12 steps of global
+    batch 128): the same up to the fp32 rounding of sums taken in another order (the
+    cross-process all-reduce adds each process's sums first; helpers.reorder_rounding_bound,
+    as in test_exactness). The bound assumes the training dynamics do not amplify rounding,
+    so the runs use lr 0.05, as test_exactness does: at the default 0.2 the 12 steps grew a
+    BN bias's rounding to 3x the bound on an AMD EPYC host (5.6e-4 relative; the former
+    fixed 1e-5 held on the Xeon hosts). Measured at 0.05: the worst leaf at 0.024 of its
+    bound, 2.9e-7 relative."""
+    opts = ["--config.num_epochs=1", "--config.bn_mode=sync", "--config.learning_rate=0.05"]
     cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--num_processes", "2",
            "--cpu_devices", "4", "--", *TRAIN, "--workdir", str(tmp_path / "mh"), *opts]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env())
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "(cpu, 2 process(es))" in out.stdout and "exit codes [0, 0]" in out.stdout
-    cfg = small_config(num_epochs=1, bn_mode="sync")
+    cfg = small_config(num_epochs=1, bn_mode="sync", learning_rate=0.05)
     state, summary = train_and_evaluate(cfg, str(tmp_path / "single"))
     mngr = checkpoint.manager(str(tmp_path / "mh" / "checkpoints"))
     expect = {k: cfg[k] for k in checkpoint.COMPATIBLE_FIELDS}
     multi, meta = checkpoint.restore_latest(mngr, state, expect)
     assert meta["world_size"] == 8 and int(np.asarray(multi.step)) == summary["steps"]
-    assert max_rel(to_host(multi.params), to_host(state.params)) <= 1e-5
-    assert max_rel(to_host(multi.batch_stats), to_host(state.batch_stats)) <= 1e-5
+    tr = prepare(cfg)  # the common start: rank 0's initialisation, as both runs had
+    start = to_host(create_train_state(cfg.seed, tr.model, tr.exchange, tr.world,
+                                       tr.data.image_shape, cfg.bn_mode))
+    worst = max(assert_within_reorder_rounding(to_host(multi.params), to_host(state.params),
+                                               start.params, summary["steps"], 128),
+                assert_within_reorder_rounding(to_host(multi.batch_stats),
+                                               to_host(state.batch_stats), start.batch_stats,
+                                               summary["steps"], 128))
+    print(f"worst leaf / bound: {worst:.3g}, max relative {max_rel(multi.params, state.params):.3g}")
 
 
 def test_killed_peer_makes_the_survivor_exit_nonzero(tmp_path):
