@@ -1,8 +1,8 @@
 """Default: CIFAR-style ResNet-20 on scikit-learn's digits, 8 (simulated) devices.
 
 Run:    python scripts/train.py --config configs/default.py --workdir runs/default
-Reaches: val_top1 0.9944 on the 360 held-out digits in 7.5-8.5 s (compiled steps stored)
-        to 16-19 s (empty cache) on a 2-core CPU
+Reaches: val_top1 0.9944 on the 360 held-out digits in 7-8.5 s (compiled steps stored)
+        to 14-17.5 s (empty cache) on a 2-core CPU
         (world size 8 simulated CPU devices; on a GPU host: all GPUs).
 """
 

@@ -4,10 +4,12 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # configs
 
-# LLVM at -O1 for the programs this process compiles (not for users' runs, nor for the
-# scripts the tests start, which drop these flags, except the session's two dry runs,
-# script_dry_runs below, and test_install's route A, which loads their programs): the
-# suite is dominated by compiling many
+# LLVM at -O1 for the programs this process compiles. trjax's own CPU steps and state
+# initialisation compile at -O1 anyway, in users' runs too (trjax.aot.CPU_COMPILER_OPTIONS,
+# trjax.state.INIT_CPU_COMPILER_OPTIONS); this brings the tests' references and other
+# programs to the same level (not the scripts the tests start, which drop these flags,
+# except the session's two dry runs, script_dry_runs below, and test_install's route A,
+# which loads their programs): the suite is dominated by compiling many
 # small distinct programs, and level 1 compiles them ~20% faster (tests/test_exchange.py +
 # test_steps.py: 169 -> 135 s on 2 cores). XLA's HLO passes are the same; LLVM may round a
 # few operations differently, so numeric comparisons are within this process or, against a
