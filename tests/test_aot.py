@@ -175,3 +175,16 @@ def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
     a, b = ours_eval(ref), ref_eval(ref)  # [device, (loss, top1, top5, count)] sums
     np.testing.assert_array_equal(a[:, 1:], b[:, 1:])
     np.testing.assert_allclose(a[:, 0], b[:, 0], rtol=1e-6)
+
+
+def test_compile_lowered_drops_the_options_this_xla_does_not_know():
+    """XLA adds and removes compile options between jaxlib releases (jaxlib 0.12 has no
+    xla_cpu_use_fusion_emitters): such an option is dropped, the known ones stay in force,
+    and any other compile error is raised."""
+    lowered = jax.jit(lambda x: x + 1).lower(jnp.float32(1))
+    compiled = aot.compile_lowered(lowered, {"xla_trjax_no_such_option": True,
+                                             "xla_backend_optimization_level": 1})
+    assert float(compiled(jnp.float32(2))) == 3.0
+    with pytest.raises(jax.errors.JaxRuntimeError, match="is not a valid int32 value"):
+        aot.compile_lowered(lowered, {"xla_trjax_no_such_option": True,
+                                      "xla_backend_optimization_level": "high"})

@@ -10,6 +10,7 @@ compiled with :data:`CPU_COMPILER_OPTIONS`.
 
 from __future__ import annotations
 
+import re
 import time
 import weakref
 from typing import Callable
@@ -55,6 +56,34 @@ def compiler_options(example_args) -> dict | None:
     else:
         platform = jax.default_backend()
     return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else None
+
+
+_UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
+
+
+def compile_lowered(lowered, compiler_options: dict | None = None):
+    """``lowered.compile(compiler_options=...)`` (a ``jax.stages.Lowered``), less
+    the options this jaxlib's XLA does not know.
+
+    trjax's XLA:CPU options (:data:`CPU_COMPILER_OPTIONS`,
+    :data:`trjax.state.INIT_CPU_COMPILER_OPTIONS`) only save compile time, and XLA
+    adds and removes such options between releases: jaxlib 0.12 no longer has
+    ``xla_cpu_use_fusion_emitters`` (jaxlib 0.10 has it). XLA refuses an unknown
+    option before compiling anything (``INVALID_ARGUMENT: No such compile option``,
+    in about 2 ms), so each one it names is dropped and the compile tried again.
+
+    Raises:
+      jax.errors.JaxRuntimeError: any other compile error.
+    """
+    options = dict(compiler_options or {})
+    while True:
+        try:
+            return lowered.compile(compiler_options=options or None)
+        except jax.errors.JaxRuntimeError as e:
+            unknown = _UNKNOWN_OPTION.search(str(e))
+            if unknown is None or unknown.group(1) not in options:
+                raise
+            del options[unknown.group(1)]
 
 
 def abstract(tree):
@@ -309,7 +338,7 @@ def compile_step(name: str, fn: Callable, *example_args, donate_argnums=(),
     lower = lambda: jax.jit(fn, donate_argnums=donate_argnums).lower(*sig)
     if store is None:
         lowered = lower()
-        compiled, text = lowered.compile(compiler_options=options), lowered.as_text()
+        compiled, text = compile_lowered(lowered, options), lowered.as_text()
     else:
         compiled, text = store.build(store.key(name, fn, sig, _argnums(donate_argnums), options),
                                      lower, options)

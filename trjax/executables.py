@@ -77,6 +77,7 @@ import jax
 from jax.experimental import serialize_executable
 
 import trjax
+from trjax.aot import compile_lowered
 from trjax.compilation import BACKEND_COMPILE_EVENT, STORE_LOAD_EVENT, module_name
 from trjax.program_key import code_digest, describe, environment
 
@@ -127,7 +128,8 @@ class ExecutableStore:
         return self.compile(key, lowered, compiler_options), lowered.as_text()
 
     def compile(self, key: str, lowered, compiler_options=None):
-        """``lowered.compile(compiler_options)``, stored as entry ``key``.
+        """``lowered.compile(compiler_options)`` (:func:`trjax.aot.compile_lowered`:
+        less the options this XLA does not know), stored as entry ``key``.
 
         XLA compiles it with jax's persistent cache off (neither read nor
         written): XLA:CPU cannot serialize an executable it loaded from that
@@ -137,7 +139,7 @@ class ExecutableStore:
         only. Only an executable XLA compiled in this call is stored (one jax
         found in its in-memory cache may be a loaded one). Thread-safe."""
         with _without_persistent_cache(), _compiled_here() as built:
-            compiled = lowered.compile(compiler_options=compiler_options)
+            compiled = compile_lowered(lowered, compiler_options)
         if built["compiled"]:
             text = lowered.as_text()
             self.save(key, compiled, module_name(text), text)

@@ -21,6 +21,7 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trjax import collectives
+from trjax.aot import compile_lowered
 from trjax.world import DATA_AXIS, World
 
 
@@ -71,8 +72,9 @@ devices; level 1 compiles it about 3x faster, and XLA's older elemental
 emitters instead of its MLIR fusion emitters take another 0.6-0.8 s of CPU off
 (the main job: 2.8 against 3.5 s of CPU for trace, compile, run and check).
 Both give the bits of jaxlib's defaults (ResNet-20 and, in ``tests/test_aot.py``,
-ResNet-8); level 0 does not (1 ulp in some normals). The program runs once, so
-its speed does not matter."""
+ResNet-8); level 0 does not (1 ulp in some normals). jaxlib 0.12 has only the
+MLIR emitters and no such option: :func:`trjax.aot.compile_lowered` drops it there.
+The program runs once, so its speed does not matter."""
 
 
 class TrainStateProgram(NamedTuple):
@@ -196,7 +198,7 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
     if found is not None:
         return TrainStateProgram(found[0].out_info, lambda: run(found[0]))
     lowered = jax.jit(create, out_shardings=shardings).lower(seed)
-    compile_ = (lambda: lowered.compile(compiler_options=options)) if store is None else \
+    compile_ = (lambda: compile_lowered(lowered, options)) if store is None else \
         (lambda: store.compile(key, lowered, options))
     return TrainStateProgram(lowered.out_info, lambda: run(compile_()))
 
