@@ -128,8 +128,7 @@ class ExecutableStore:
         return self.compile(key, lowered, compiler_options), lowered.as_text()
 
     def compile(self, key: str, lowered, compiler_options=None):
-        """``lowered.compile(compiler_options)`` (:func:`trjax.aot.compile_lowered`:
-        less the options this XLA does not know), stored as entry ``key``.
+        """:func:`trjax.aot.compile_lowered` of ``lowered``, stored as entry ``key``.
 
         XLA compiles it with jax's persistent cache off (neither read nor
         written): XLA:CPU cannot serialize an executable it loaded from that
