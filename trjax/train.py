@@ -169,8 +169,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
         f"bn_mode={config.bn_mode} precision={config.precision}")
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
                                 for b, n in plan.bucket_elements.items()) +
-        f"; steps built in {sum(c.compile_s for c in tr.compiled):.1f}s (loaded whole from the "
-        "executable store, or traced, then compiled or loaded from the compilation cache)")
+        f"; the four steps built in {sum(c.compile_s for c in tr.compiled):.1f}s")
     say(f"compilation cache: {compilation.cache_dir() or 'off'} (start-up: "
         f"{sum(b.cache == 'store' for b in compiles.builds)} programs loaded untraced from the "
         f"executable store{'' if store else ' (off)'}, "
