@@ -54,7 +54,8 @@ def test_two_processes_match_one_process(tmp_path):
                 assert_within_reorder_rounding(to_host(multi.batch_stats),
                                                to_host(state.batch_stats), start.batch_stats,
                                                summary["steps"], 128))
-    print(f"worst leaf / bound: {worst:.3g}, max relative {max_rel(multi.params, state.params):.3g}")
+    print(f"worst leaf / bound: {worst:.3g}, "
+          f"max relative {max_rel(multi.params, state.params):.3g}")
 
 
 def test_killed_peer_makes_the_survivor_exit_nonzero(tmp_path):
