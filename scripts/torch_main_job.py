@@ -8,7 +8,8 @@ The same job as ``scripts/train.py --config configs/default.py``:
   (``trjax.datasets.load_digits``, numpy only), images standardised as trjax's
   model does; each epoch a fresh permutation (seeded by the epoch), global
   batch 128 split over the ranks, the last batch of the epoch partial
-  (trjax pads it with masked rows: every example once, the same mean);
+  (trjax pads it with masked rows: every example once, the same mean), or
+  dropped with ``--remainder drop`` (trjax's ``config.train_remainder="drop"``);
 * model: ResNet-20 of ``scripts/torch_ddp_bench.py`` (trjax's ``models.py`` in
   torch; BN momentum 0.1 = flax 0.9), BatchNorm statistics per rank (trjax's
   ``running`` mode; DDP broadcasts rank 0's buffers at each forward);
@@ -92,7 +93,7 @@ def worker(rank: int, a: dict, port: int) -> None:
     loss_fn = nn.CrossEntropyLoss(reduction="sum")
     g = a["global_batch"]
     n = len(ytr)
-    steps_per_epoch = math.ceil(n / g)
+    steps_per_epoch = math.ceil(n / g) if a["remainder"] == "pad" else n // g
     total = steps_per_epoch * a["epochs"]
     first_step_done_at, step = None, 0
     train_s = evaluate_s = checkpoint_s = 0.0
@@ -155,6 +156,8 @@ def main(argv=None) -> int:
     p.add_argument("--momentum", type=float, default=0.9)
     p.add_argument("--weight_decay", type=float, default=5e-4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--remainder", choices=("pad", "drop"), default="pad",
+                   help="the last partial batch of each epoch: a smaller batch, or dropped")
     p.add_argument("--threads", type=int, default=0, help="per rank; 0: max(1, cores // world)")
     a = vars(p.parse_args(argv))
     if a["global_batch"] % a["world"]:

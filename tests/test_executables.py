@@ -77,7 +77,8 @@ def _lowered_train_step(config) -> str:
                                      sharding=tr.world.sharded())
              for k, shape, dtype in (("image", tr.data.image_shape, np.uint8),
                                      ("label", (), np.int32), ("mask", (), np.float32))}
-    step = steps.make_train_step(tr.model, tr.exchange, tr.plan, tr.world, config.bn_mode)
+    step = steps.make_train_step(tr.model, tr.exchange, tr.plan, tr.world, config.bn_mode,
+                                 padding=not tr.full_batches)
     return jax.jit(step, donate_argnums=0).lower(init.abstract, batch).as_text()
 
 
@@ -89,7 +90,7 @@ def test_config_keys_left_out_of_the_key_do_not_enter_the_programs():
                    executable_store=False, executable_store_max_mb=1, halt_after_steps=3, halt_on_nonfinite=True,
                    keep_checkpoints=1, log_every_steps=0, max_consecutive_overflows=2,
                    metrics_lag=2, preemption_check_every_steps=7, prefetch=0,
-                   profile_steps="1:2", progress=False, resume=False, skip_bad_images=True,
+                   profile_steps="1:2", progress=False, resume=False,
                    step_timeout_s=60, tensorboard=False, verify_images=True)
     # data_dir: digits reads no folder (the data itself is described by the context)
     assert set(changed) == set(trainer.OUTSIDE_PROGRAMS) - {"distributed", "data_dir"}

@@ -5,6 +5,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +58,24 @@ def test_batches_pad_and_mask_every_example_once():
     np.testing.assert_array_equal(np.concatenate([b["image"].ravel() for b in batches])[:10],
                                   np.random.default_rng((1, 3)).permutation(10))
     assert len(list(ip.iterate_batches(split, 4, shuffle=False, remainder="drop"))) == 2
+
+
+def test_train_batches_are_full_only_where_no_batch_can_hold_padding():
+    split = ip.Split(np.zeros((10, 1, 1, 1), np.uint8), np.zeros(10, np.int32))
+    assert ip.train_batches_full(split, 5, "pad")  # 10 = 2 x 5
+    assert not ip.train_batches_full(split, 4, "pad")  # 10 = 2 x 4 + 2: padded
+    assert ip.train_batches_full(split, 4, "drop")
+    for g, remainder in ((5, "pad"), (4, "drop")):  # what the promise means
+        batches = list(ip.iterate_batches(split, g, shuffle=True, remainder=remainder))
+        assert batches and all(b["mask"].min() == 1.0 for b in batches)
+
+    class Skipping(NamedTuple):  # a source that masks out files it cannot decode
+        labels: np.ndarray
+        skip_bad_images: bool = True
+    assert not ip.train_batches_full(Skipping(split.labels), 5, "drop")
+    assert ip.train_batches_full(Skipping(split.labels, False), 5, "drop")
+    with pytest.raises(ValueError, match="'pack' is not one of"):
+        ip.train_batches_full(split, 5, "pack")
 
 
 def test_each_epoch_has_its_own_order_from_the_documented_seed():

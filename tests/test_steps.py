@@ -4,17 +4,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import max_rel, random_batch, reference_step, setup, to_host
+from helpers import (assert_within_reorder_rounding, max_rel, random_batch, reference_step, setup,
+                     to_host)
 from trjax import aot, exchange, steps
 from trjax.plan import build_plan
 from trjax.state import check_replicas_identical
 
 
-def _run_one_step(world_spec, bn_mode, batch, opt="sgd"):
+def _run_one_step(world_spec, bn_mode, batch, opt="sgd", padding=True):
     world, model, plan, tx, state = setup(world_spec, len(batch["label"]), bn_mode, opt=opt)
     host0 = to_host(state)
     step = aot.compile_step("train", steps.make_train_step(
-        model, exchange.allreduce(tx, plan), plan, world, bn_mode),
+        model, exchange.allreduce(tx, plan), plan, world, bn_mode, padding=padding),
         state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     new_state, metrics = step(state, jax.device_put(batch, world.sharded()))
     return world, tx, host0, new_state, np.asarray(metrics)
@@ -30,6 +31,30 @@ def test_sync_bn_8_devices_equals_one_device_on_global_batch(opt):
     assert max_rel(to_host(s1.batch_stats), bs_ref) <= 1e-5
     assert metrics[3] == 32 and metrics[4] == 1.0
     assert abs(metrics[0] / metrics[3] - float(loss_ref)) <= 1e-5 * abs(float(loss_ref))
+
+
+@pytest.mark.parametrize("bn_mode", ["sync", "running"])
+def test_step_without_padding_mask_equals_the_reference_and_the_masked_step(bn_mode):
+    """padding=False (every row real: BatchNorm traced without the mask) on a full batch:
+    in sync mode the one-device reference on the whole batch within 1e-5 (running mode
+    normalises with each device's own statistics), and the masked step within
+    the rounding of reordered sums (XLA fuses the two programs differently; measured
+    not bit for bit), with the same count."""
+    batch = random_batch(32, seed=5)
+    _, tx, s0, masked, m_masked = _run_one_step("all", bn_mode, batch)
+    _, _, _, plain, m_plain = _run_one_step("all", bn_mode, batch, padding=False)
+    if bn_mode == "sync":
+        p_ref, bs_ref, _, loss_ref, _ = reference_step("resnet8", s0.params, s0.batch_stats,
+                                                        s0.opt_state, tx, batch)
+        assert max_rel(to_host(plain.params), p_ref) <= 1e-5
+        assert max_rel(to_host(plain.batch_stats), bs_ref) <= 1e-5
+        assert abs(m_plain[0] / m_plain[3] - float(loss_ref)) <= 1e-5 * abs(float(loss_ref))
+    rows = 32 * 8 * 8  # the longest sums: BN statistics and kernel gradients, rows x positions
+    for got, want, start in ((plain.params, masked.params, s0.params),
+                             (plain.batch_stats, masked.batch_stats, s0.batch_stats)):
+        assert_within_reorder_rounding(to_host(got), to_host(want), start, 1, rows)
+    assert m_plain[3] == m_masked[3] == 32 and m_plain[4] == m_masked[4] == 1.0
+    assert abs(m_plain[0] - m_masked[0]) <= 32 * 2.0 ** -24 * abs(m_masked[0])
 
 
 def test_applied_gradient_is_global_mean():

@@ -55,6 +55,21 @@ def steps_per_epoch(num_examples: int, global_batch: int, remainder: str) -> int
     return full + (1 if rest and remainder == "pad" else 0)
 
 
+def train_batches_full(split, global_batch: int, remainder: str) -> bool:
+    """Whether every training batch of ``split`` holds real rows only (mask 1).
+
+    True when the split's size is a multiple of ``global_batch`` or the last
+    partial batch is dropped (``remainder="drop"``), and the source never masks
+    out a row it cannot decode (``skip_bad_images``). The trainer then compiles
+    the train step without BatchNorm's padding mask
+    (:func:`trjax.steps.make_train_step` with ``padding=False``).
+    """
+    if remainder not in REMAINDERS:
+        raise ValueError(f"remainder {remainder!r} is not one of {REMAINDERS}")
+    whole = remainder == "drop" or len(split.labels) % global_batch == 0
+    return whole and not getattr(split, "skip_bad_images", False)
+
+
 def epoch_order(num_examples: int, *, shuffle: bool, seed: int = 0, epoch: int = 0) -> np.ndarray:
     """The examples of one epoch in order: ``default_rng((seed, epoch)).permutation(n)``
     when ``shuffle``, else ``arange(n)``. ``[n] int64``."""

@@ -290,6 +290,11 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
                     for b, batch in enumerate(batches, start=first + 1):
                         step_index += 1
                         profiler.before(step_index)
+                        if tr.full_batches and batch["mask"].min() < 1:
+                            raise RuntimeError(
+                                f"step {step_index}: a training batch holds padding rows, but "
+                                "the train step was compiled without BatchNorm's padding mask "
+                                "(trjax.input_pipeline.train_batches_full was True)")
                         state, m = train_step(state, input_pipeline.to_device(
                             batch, world.sharded(), data.num_classes, tr.dtype, step=step_index))
                         reader.push(step_index, m)

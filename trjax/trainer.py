@@ -34,7 +34,10 @@ class Trainer:
     """Everything built before the first step: the output of :func:`setup`.
 
     ``state`` and the compiled steps are ``None`` in the output of
-    :func:`prepare` (nothing traced or placed on devices yet)."""
+    :func:`prepare` (nothing traced or placed on devices yet). ``full_batches``:
+    no training batch holds a padding row
+    (:func:`trjax.input_pipeline.train_batches_full`), so the train step is
+    compiled without BatchNorm's padding mask; the loop refuses a batch with one."""
     config: Any
     world: Any
     data: Any
@@ -44,6 +47,7 @@ class Trainer:
     exchange: exchange_lib.GradientExchange
     steps_per_epoch: int
     dtype: Any
+    full_batches: bool = False
     state: Any = None
     train_step: aot.CompiledStep | None = None
     fold_bn: aot.CompiledStep | None = None
@@ -98,8 +102,10 @@ def prepare(config: ml_collections.ConfigDict,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
     exchange = exchange_lib.from_config(config, plan, schedule, world)
+    full = input_pipeline.train_batches_full(data.train, world.global_batch_size,
+                                             config.train_remainder)
     return Trainer(config, world, data, model, plan, schedule, exchange, train_steps,
-                   compute_dtype(config.precision))
+                   compute_dtype(config.precision), full)
 
 
 OUTSIDE_PROGRAMS = (
@@ -107,8 +113,7 @@ OUTSIDE_PROGRAMS = (
     "data_dir", "data_workers", "distributed", "executable_store", "executable_store_max_mb",
     "halt_after_steps", "halt_on_nonfinite", "keep_checkpoints", "log_every_steps",
     "max_consecutive_overflows", "metrics_lag", "preemption_check_every_steps", "prefetch",
-    "profile_steps", "progress", "resume", "skip_bad_images", "step_timeout_s", "tensorboard",
-    "verify_images")
+    "profile_steps", "progress", "resume", "step_timeout_s", "tensorboard", "verify_images")
 """Config keys that enter none of the programs :func:`setup` builds (they steer the
 loop, its I/O and where data and caches live; the data itself is described
 separately): left out of :func:`store_context`, so that runs differing only in
@@ -182,7 +187,8 @@ def setup(config: ml_collections.ConfigDict,
             "train_step", steps.make_train_step(
                 model, tr.exchange, plan, world, config.bn_mode, dynamic_loss_scale=fp16,
                 growth_interval=config.loss_scale_growth_interval,
-                grad_accumulation_steps=config.grad_accumulation_steps),
+                grad_accumulation_steps=config.grad_accumulation_steps,
+                padding=not tr.full_batches),
             init.abstract, example(world.global_batch_size), donate_argnums=0, store=store)
         fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode),
                                    init.abstract, store=store)

@@ -79,6 +79,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="--time_to_accuracy: PyTorch DDP processes (gloo)")
     p.add_argument("--tta_variants", default="cold,warm,torch",
                    help="--time_to_accuracy: comma-separated of cold,warm,torch")
+    p.add_argument("--remainder", default="pad", choices=("pad", "drop"),
+                   help="--time_to_accuracy: the last partial batch of each epoch, in both jobs: "
+                        "pad (trjax masks padding rows, torch takes a smaller batch) or drop "
+                        "(trjax's step then compiles without the padding mask)")
     p.add_argument("--train_flags", default="",
                    help="--time_to_accuracy: extra scripts/train.py flags for the trjax runs, "
                         "e.g. '--config.cpu_devices=2'")

@@ -52,12 +52,13 @@ def trjax_command(a, workdir: str, cache: str) -> list[str]:
             "--workdir", workdir, "--config.progress=False",
             f"--config.compilation_cache_dir={cache}", f"--config.num_epochs={a.epochs}",
             f"--config.model={a.model}", f"--config.global_batch_size={a.global_batch}",
-            *a.train_flags.split()]
+            f"--config.train_remainder={a.remainder}", *a.train_flags.split()]
 
 
 def torch_command(a, workdir: str) -> list[str]:
     return [sys.executable, TORCH_MAIN_JOB, "--workdir", workdir, "--world", str(a.torch_world),
-            "--epochs", str(a.epochs), "--model", a.model, "--global_batch", str(a.global_batch)]
+            "--epochs", str(a.epochs), "--model", a.model, "--global_batch", str(a.global_batch),
+            "--remainder", a.remainder]
 
 
 def _epoch_rows(workdir: str) -> list[dict]:
@@ -165,7 +166,7 @@ def time_to_accuracy(a) -> dict:
                 ratios[f"{v} / torch wall"] = med[v]["wall_s"] / med["torch"]["wall_s"]
                 ratios[f"{v} / torch first step"] = med[v]["first_step_s"] / med["torch"]["first_step_s"]
     meta = {"model": a.model, "epochs": a.epochs, "global_batch": a.global_batch,
-            "torch_world": a.torch_world, "train_flags": a.train_flags, "rounds": a.rounds,
+            "torch_world": a.torch_world, "remainder": a.remainder, "train_flags": a.train_flags, "rounds": a.rounds,
             "variants": base, "cpu_cores": os.cpu_count(), "loadavg_start": load_start,
             "loadavg_end": os.getloadavg(), "wall_s": time.perf_counter() - t_start,
             "python": sys.version.split()[0], "targets": TARGETS}
@@ -190,7 +191,8 @@ def markdown(out: dict) -> str:
              f"{m['epochs']} epochs", "",
              f"Each run a fresh process and workdir, {m['rounds']} interleaved round(s); "
              f"{m['cpu_cores']} CPU cores, load average {m['loadavg_start'][0]:.1f} at the start, "
-             f"{m['loadavg_end'][0]:.1f} at the end; trjax flags: `{m['train_flags'] or '-'}`.", "",
+             f"{m['loadavg_end'][0]:.1f} at the end; last partial batch: {m['remainder']}; "
+             f"trjax flags: `{m['train_flags'] or '-'}`.", "",
              "| run | round | val top-1 | wall, process start to exit (s) | to first step (s) | "
              "start-up programs compiled / loaded | compiles during training | load at launch |",
              "|---|---|---|---|---|---|---|---|"]
