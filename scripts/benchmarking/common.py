@@ -71,6 +71,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     p.add_argument("--profile_groups", default=None,
                    help="with --profile: comma-separated group numbers (1-based), default all")
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal (--profile)
+    p.add_argument("--padded_last_batch", action="store_true",
+                   help="--profile children: a data set of two batches and one example, so "
+                        "that the trainer keeps BatchNorm's padding mask in the train step "
+                        "(the batches timed are full either way)")
     p.add_argument("--time_to_accuracy", action="store_true",
                    help="the main job start to finish in fresh processes: trjax with a cold and "
                         "a warm compilation cache against its PyTorch DDP twin (--rounds N)")

@@ -82,6 +82,11 @@ PROFILE_GROUPS = {
         ("w2 of 2, Eigen convolutions, reuse host memory", 2, 2, "", False, "two", "fp32",
          ["--cpu_convolutions", "eigen", "--reuse_memory", "on"]),
     ], (2,)),
+    "BatchNorm padding mask (world 8)": ("w8, full batches", [
+        ("w8, full batches", 8, 8, "", False, "two", "fp32"),
+        ("w8, step with the padding mask", 8, 8, "", False, "two", "fp32",
+         ["--cpu_convolutions", "ynnpack", "--reuse_memory", "off", "--padded_last_batch"]),
+    ], ()),
 }
 
 
