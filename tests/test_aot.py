@@ -1,6 +1,8 @@
 """The compiled step's contract on every call (issue 13 item 2): aliased donated leaves
 de-aliased on later calls too (no crash), host scalars / numpy arrays converted when safe,
 clear errors naming the leaf and the compiled signature otherwise."""
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -165,6 +167,11 @@ def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
                                     state.params, fold(state), batch, acc, donate_argnums=3)
         return first, state, lambda s: np.asarray(evaluate(s.params, fold(s), batch, acc.copy()))
 
+    # conftest's XLA_FLAGS sets level 1, and compile_lowered lets a flag the user set win:
+    # the flag hidden here, so that the options below are the ones in force
+    monkeypatch.setenv("XLA_FLAGS", re.sub(r"--xla_backend_optimization_level=\S*", "",
+                                           os.environ.get("XLA_FLAGS", "")))
+    assert "xla_backend_optimization_level" not in aot.flags_set_in_env()
     first, ours, ours_eval = run()
     monkeypatch.setattr(state_lib, "INIT_CPU_COMPILER_OPTIONS", defaults)
     monkeypatch.setattr(aot, "CPU_COMPILER_OPTIONS", {**aot.CPU_COMPILER_OPTIONS, **defaults})
@@ -177,10 +184,11 @@ def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
     np.testing.assert_allclose(a[:, 0], b[:, 0], rtol=1e-6)
 
 
-def test_compile_lowered_drops_the_options_this_xla_does_not_know():
+def test_compile_lowered_drops_the_options_this_xla_does_not_know(monkeypatch):
     """XLA adds and removes compile options between jaxlib releases (jaxlib 0.12 has no
     xla_cpu_use_fusion_emitters): such an option is dropped, the known ones stay in force,
     and any other compile error is raised."""
+    monkeypatch.setenv("XLA_FLAGS", "")  # conftest's level flag would win over the option
     lowered = jax.jit(lambda x: x + 1).lower(jnp.float32(1))
     compiled = aot.compile_lowered(lowered, {"xla_trjax_no_such_option": True,
                                              "xla_backend_optimization_level": 1})
@@ -188,3 +196,24 @@ def test_compile_lowered_drops_the_options_this_xla_does_not_know():
     with pytest.raises(jax.errors.JaxRuntimeError, match="is not a valid int32 value"):
         aot.compile_lowered(lowered, {"xla_trjax_no_such_option": True,
                                       "xla_backend_optimization_level": "high"})
+
+
+def test_an_xla_flag_the_user_sets_wins_over_trjax_options(monkeypatch):
+    """compile options override XLA_FLAGS, so compile_lowered leaves out every option the
+    process's XLA_FLAGS names: XLA_FLAGS=--xla_backend_optimization_level=3 compiles
+    trjax's steps at -O3 (the flag's value), the other options stay."""
+    seen = []
+
+    class Lowered:  # records what XLA would be asked for
+        def compile(self, compiler_options=None):
+            seen.append(compiler_options)
+            return "compiled"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                    "--xla_backend_optimization_level=3")
+    assert aot.flags_set_in_env() == {"xla_force_host_platform_device_count",
+                                      "xla_backend_optimization_level"}
+    assert aot.compile_lowered(Lowered(), aot.CPU_COMPILER_OPTIONS) == "compiled"
+    assert seen[-1] == {"xla_cpu_copy_insertion_use_region_analysis": True}
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    aot.compile_lowered(Lowered(), aot.CPU_COMPILER_OPTIONS)
+    assert seen[-1] == aot.CPU_COMPILER_OPTIONS

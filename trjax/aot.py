@@ -10,6 +10,7 @@ compiled with :data:`CPU_COMPILER_OPTIONS`.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 import weakref
@@ -40,7 +41,8 @@ CPU_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True,
   ResNet-8 on 2 devices differs by a few ulps after a step, within the
   rounding of a reordered sum (``tests/test_aot.py``).
 
-Both measured in ``docs/performance.md`` (seventh and eighth rounds)."""
+Both measured in ``docs/performance.md`` (seventh and eighth rounds). An option the
+process's ``XLA_FLAGS`` sets wins over these (:func:`compile_lowered`)."""
 
 
 def compiler_options(example_args) -> dict | None:
@@ -61,6 +63,12 @@ def compiler_options(example_args) -> dict | None:
 _UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
 
 
+def flags_set_in_env() -> set[str]:
+    """The XLA option names this process's ``XLA_FLAGS`` sets (``--name=value`` or
+    ``--name``), e.g. ``{"xla_backend_optimization_level"}``."""
+    return set(re.findall(r"(?:^|\s)--([A-Za-z0-9_]+)", os.environ.get("XLA_FLAGS", "")))
+
+
 def compile_lowered(lowered, compiler_options: dict | None = None):
     """``lowered.compile(compiler_options=...)`` (a ``jax.stages.Lowered``), less
     the options this jaxlib's XLA does not know.
@@ -72,10 +80,16 @@ def compile_lowered(lowered, compiler_options: dict | None = None):
     option before compiling anything (``INVALID_ARGUMENT: No such compile option``,
     in about 2 ms), so each one it names is dropped and the compile tried again.
 
+    An option the process's ``XLA_FLAGS`` sets is dropped too, so that the user's
+    flag is the one in force (compile options override ``XLA_FLAGS``): e.g.
+    ``XLA_FLAGS=--xla_backend_optimization_level=3`` compiles trjax's steps at
+    LLVM -O3 again (:func:`flags_set_in_env`).
+
     Raises:
       jax.errors.JaxRuntimeError: any other compile error.
     """
-    options = dict(compiler_options or {})
+    user = flags_set_in_env()
+    options = {k: v for k, v in (compiler_options or {}).items() if k not in user}
     while True:
         try:
             return lowered.compile(compiler_options=options or None)

@@ -73,7 +73,8 @@ emitters instead of its MLIR fusion emitters take another 0.6-0.8 s of CPU off
 (the main job: 2.8 against 3.5 s of CPU for trace, compile, run and check).
 Both give the bits of jaxlib's defaults (ResNet-20 and, in ``tests/test_aot.py``,
 ResNet-8); level 0 does not (1 ulp in some normals). jaxlib 0.12 has only the
-MLIR emitters and no such option: :func:`trjax.aot.compile_lowered` drops it there.
+MLIR emitters and no such option: :func:`trjax.aot.compile_lowered` drops it there,
+as it drops any option the process's ``XLA_FLAGS`` sets (the user's flag wins).
 The program runs once, so its speed does not matter."""
 
 
