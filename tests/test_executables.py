@@ -1,6 +1,7 @@
 """The executable store: a warm start loads the compiled steps whole, untraced,
 and they compute exactly what freshly compiled ones do; any change to what
 determined a program gives another key; a damaged entry is compiled again."""
+import dataclasses
 import json
 import os
 import subprocess
@@ -99,6 +100,17 @@ def test_config_keys_left_out_of_the_key_do_not_enter_the_programs():
     assert trainer.store_context(trainer.prepare(base)) == \
         trainer.store_context(trainer.prepare(other))
     assert _lowered_train_step(base) == _lowered_train_step(other)
+
+
+def test_the_key_tells_the_masked_train_step_from_the_unmasked_one():
+    """Whether the train step masks padding rows (Trainer.full_batches) is decided by the
+    data too (a source given as data= that skips undecodable files keeps the mask under
+    the same config): the store's key context carries it, so neither program is served
+    for the other (found by a breaker: a skipping ImageFolder got the unmasked step)."""
+    tr = trainer.prepare(small_config(train_remainder="drop"))
+    assert tr.full_batches
+    assert trainer.store_context(tr) != trainer.store_context(
+        dataclasses.replace(tr, full_batches=False))
 
 
 def _fn(x):

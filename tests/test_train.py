@@ -49,7 +49,7 @@ def test_main_job_short(tmp_path, monkeypatch):
     assert s["steps"] == 2 * 12  # 1437 train digits, batch 128, last batch padded
     assert int(np.asarray(state.step)) == 24 and int(np.asarray(state.skipped_steps)) == 0
     assert s["compiles"] == {"train_step": 1, "fold_bn": 1, "eval_step": 1, "eval_reduce": 1}
-    assert s["compiles_during_training"] == 0
+    assert s["compiles_during_training"] == 0 and s["train_padding_mask"] is True
     assert s["val_examples"] == 360 and s["skipped_steps"] == 0
     # where the wall time went: measured parts of the run (no mid-epoch saves here: disjoint)
     t = s["seconds"]
@@ -105,7 +105,7 @@ def test_dropped_remainder_trains_with_the_step_without_padding_mask(tmp_path, m
     assert not prepare(small_config()).full_batches
     state, s = train_and_evaluate(small_config(train_remainder="drop", num_epochs=1),
                                   str(tmp_path))
-    assert padding == [False]
+    assert padding == [False] and s["train_padding_mask"] is False
     assert s["steps"] == 11 and int(np.asarray(state.step)) == 11
     assert len(masks) == 11 and all(m.min() == 1.0 for m in masks)
     assert s["skipped_steps"] == 0 and s["compiles_during_training"] == 0

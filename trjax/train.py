@@ -166,7 +166,8 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
     say(f"world_size={world.world_size} devices={[d.id for d in world.devices]} "
         f"({world.devices[0].platform}, {jax.process_count()} process(es)) "
         f"global_batch={world.global_batch_size} local_batch={world.local_batch_size} "
-        f"bn_mode={config.bn_mode} precision={config.precision}")
+        f"bn_mode={config.bn_mode} precision={config.precision} "
+        f"train_padding_mask={not tr.full_batches}")
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
                                 for b, n in plan.bucket_elements.items()) +
         f"; the four steps built in {sum(c.compile_s for c in tr.compiled):.1f}s")
@@ -368,6 +369,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
         "local_batch_size": world.local_batch_size, "platform": world.devices[0].platform,
         "cpu_convolutions": host.convolution_library(),
         "bn_mode": config.bn_mode, "precision": config.precision, "model": config.model,
+        "train_padding_mask": not tr.full_batches,  # BN masks padding rows in the train step
         "dataset": config.dataset, "epochs": config.num_epochs,
         "steps": int(host_value(state.step)), "halted": halted,
         "skipped_steps": int(host_value(state.skipped_steps)),

@@ -127,14 +127,15 @@ def store_context(tr: Trainer) -> tuple:
     an :class:`trjax.executables.ExecutableStore`: the config (less
     :data:`OUTSIDE_PROGRAMS`), the data's shape, dtype, class count, mean, std
     and size, the model, the plan's bucket layout and the steps per epoch (the
-    learning-rate schedule)."""
+    learning-rate schedule), and whether the train step masks padding rows
+    (``full_batches``: decided by the data too, e.g. a source that skips bad files)."""
     data = tr.data
     config = {k: v for k, v in tr.config.to_dict().items() if k not in OUTSIDE_PROGRAMS}
     return (json.dumps(config, sort_keys=True, default=repr),
             (tr.data.image_shape, str(data.image_dtype), data.num_classes, data.mean, data.std,
              len(data.train.labels), len(data.val.labels)),
             repr(tr.model), repr(dataclasses.replace(tr.plan, memory=None)), tr.steps_per_epoch,
-            str(tr.dtype), tr.exchange.name, repr(tr.world.mesh))
+            str(tr.dtype), tr.exchange.name, repr(tr.world.mesh), tr.full_batches)
 
 
 def setup(config: ml_collections.ConfigDict,
