@@ -292,10 +292,8 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
                         step_index += 1
                         profiler.before(step_index)
                         if tr.full_batches and batch["mask"].min() < 1:
-                            raise RuntimeError(
-                                f"step {step_index}: a training batch holds padding rows, but "
-                                "the train step was compiled without BatchNorm's padding mask "
-                                "(trjax.input_pipeline.train_batches_full was True)")
+                            raise RuntimeError(f"step {step_index}: a training batch holds "
+                                               "padding rows; the train step has no BN mask")
                         state, m = train_step(state, input_pipeline.to_device(
                             batch, world.sharded(), data.num_classes, tr.dtype, step=step_index))
                         reader.push(step_index, m)
