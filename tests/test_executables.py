@@ -91,7 +91,7 @@ def test_config_keys_left_out_of_the_key_do_not_enter_the_programs():
                    executable_store=False, executable_store_max_mb=1, halt_after_steps=3, halt_on_nonfinite=True,
                    keep_checkpoints=1, log_every_steps=0, max_consecutive_overflows=2,
                    metrics_lag=2, preemption_check_every_steps=7, prefetch=0,
-                   profile_steps="1:2", progress=False, resume=False,
+                   profile_steps="1:2", progress=False, resume=False, skip_bad_images=True,
                    step_timeout_s=60, tensorboard=False, verify_images=True)
     # data_dir: digits reads no folder (the data itself is described by the context)
     assert set(changed) == set(trainer.OUTSIDE_PROGRAMS) - {"distributed", "data_dir"}

@@ -64,9 +64,8 @@ def train_batches_full(split, global_batch: int, remainder: str) -> bool:
     the train step without BatchNorm's padding mask
     (:func:`trjax.steps.make_train_step` with ``padding=False``).
     """
-    if remainder not in REMAINDERS:
-        raise ValueError(f"remainder {remainder!r} is not one of {REMAINDERS}")
-    whole = remainder == "drop" or len(split.labels) % global_batch == 0
+    n = len(split.labels)
+    whole = steps_per_epoch(n, global_batch, remainder) * global_batch <= n
     return whole and not getattr(split, "skip_bad_images", False)
 
 

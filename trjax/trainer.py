@@ -113,10 +113,12 @@ OUTSIDE_PROGRAMS = (
     "data_dir", "data_workers", "distributed", "executable_store", "executable_store_max_mb",
     "halt_after_steps", "halt_on_nonfinite", "keep_checkpoints", "log_every_steps",
     "max_consecutive_overflows", "metrics_lag", "preemption_check_every_steps", "prefetch",
-    "profile_steps", "progress", "resume", "step_timeout_s", "tensorboard", "verify_images")
+    "profile_steps", "progress", "resume", "skip_bad_images", "step_timeout_s", "tensorboard",
+    "verify_images")
 """Config keys that enter none of the programs :func:`setup` builds (they steer the
 loop, its I/O and where data and caches live; the data itself is described
-separately): left out of :func:`store_context`, so that runs differing only in
+separately; ``skip_bad_images`` acts through ``Trainer.full_batches``, which the
+context holds): left out of :func:`store_context`, so that runs differing only in
 them (a resume, a drill's ``halt_after_steps``) share stored executables.
 ``tests/test_executables.py`` checks that changing all of them leaves the
 lowered train step unchanged."""
