@@ -33,12 +33,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.devices = "all"              # "all", a count "4", a range "0-3", a list "0,2,5"
     c.cpu_devices = 8              # simulated CPU devices when there is no accelerator
     c.cpu_convolutions = "auto"    # XLA:CPU convolutions: "eigen", "ynnpack"; auto: eigen
-    #                                when cpu_devices <= cores (trjax.host)
+    #                                when cpu_devices <= cores (trjax.cpu.host)
     c.conv_lowering = "auto"       # strided convolutions and windows larger than their input:
     #                                "im2col" (+ one matmul; XLA:CPU's are 1.2-5x slower),
-    #                                "xla"; auto: im2col on CPU (trjax.im2col)
+    #                                "xla"; auto: im2col on CPU (trjax.cpu.im2col)
     c.cpu_reuse_memory = False     # glibc keeps freed host memory: no page faults per step;
-    #                                pays for big models only (trjax.host)
+    #                                pays for big models only (trjax.cpu.host)
     c.global_batch_size = 128
     c.eval_batch_size = 128        # global; must divide by the world size too
     # model
@@ -91,22 +91,18 @@ def get_config() -> ml_collections.ConfigDict:
     c.halt_after_steps = 0         # >0: save and stop after this step (preemption drills, tests)
     c.checkpoint_async = True      # write on a background thread from a host copy of the state;
     #                                False: each save is on disk before the next step
-    # compilation (trjax.compilation)
+    # compilation (trjax.train.compilation)
     c.compilation_cache = True     # JAX's persistent compilation cache: a second run loads
     #                                what the first compiled; False: off for the process
     c.compilation_cache_dir = ""   # "": a directory set in jax already (JAX_COMPILATION_CACHE_DIR),
     #                                else $XDG_CACHE_HOME/trjax/xla or ~/.cache/trjax/xla
-    c.executable_store = True      # with the cache: the compiled steps also stored whole, keyed by
-    #                                config, data, code and versions, so a warm start traces
-    #                                nothing (trjax.executables; single-process CPU runs)
-    c.executable_store_max_mb = 1024.0  # the store's size limit: least recently used programs go
     # multi-host (jax.distributed): see scripts/launch_local.py for N processes on one machine
     c.distributed = ml_collections.ConfigDict()
     c.distributed.coordinator = ""         # "host:port" of process 0
     c.distributed.num_processes = 1
     c.distributed.process_id = 0
     c.distributed.auto = True              # start the run srun / mpirun / JAX_COORDINATOR_ADDRESS
-    #                                        describe (trjax.distributed.detect_launch)
+    #                                        describe (trjax.train.distributed.detect_launch)
     c.distributed.heartbeat_timeout_s = 30  # a dead peer makes the survivors exit after ~this
     c.step_timeout_s = 600.0               # watchdog: exit non-zero if no step finishes this long
     return c

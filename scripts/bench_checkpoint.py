@@ -4,12 +4,12 @@
 
 Variants: orbax handed the replicated device arrays and waited on (trjax before
 issue 14), a host copy saved leaf by leaf (177 leaves for the default job: trjax
-before the packing), the packed host copy (``trjax.checkpoint.pack``: one array
+before the packing), the packed host copy (``trjax.train.checkpoint.pack``: one array
 per dtype) synchronously, and asynchronously (the time until ``save`` returns).
 For each: the first save's seconds, the median of the later ones, the process's
 CPU seconds per save (every thread: orbax's background writer too; on a small
 host they are taken from the training steps), and the programs jax built during
-the saves (``trjax.compilation.CompileLog``). ``--gap_s`` stands for the
+the saves (``trjax.train.compilation.CompileLog``). ``--gap_s`` stands for the
 training steps an asynchronous write overlaps with.
 """
 import argparse
@@ -29,13 +29,13 @@ def main():
     p.add_argument("--gap_s", type=float, default=0.3)
     args = p.parse_args()
     from configs import default
-    from trjax import host
+    from trjax.cpu import host
     config = default.get_config()
     host.configure_cpu(config.cpu_devices, config.cpu_convolutions)
     import flax
     import numpy as np
     import orbax.checkpoint as ocp
-    from trjax import checkpoint, compilation, trainer
+    from trjax.train import checkpoint, compilation, trainer
 
     state = trainer.setup(config).state
 

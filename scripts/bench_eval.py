@@ -29,8 +29,9 @@ def main(argv):
     import numpy as np
     config = flags.FLAGS.config
     jax.config.update("jax_num_cpu_devices", int(config.cpu_devices))
-    from trjax import aot, input_pipeline, steps
-    from trjax.trainer import setup
+    from trjax import aot, steps
+    from trjax.data import input_pipeline
+    from trjax.train.trainer import setup
     tr = setup(config)
     w, state = tr.world, tr.state
     unfolded = aot.compile_step("eval_unfolded", steps.make_eval_step(
@@ -68,6 +69,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from trjax.config import check_argv
+    from trjax.train.config import check_argv
     check_argv(sys.argv)
     app.run(main)

@@ -60,7 +60,7 @@ def measure(folder, workers: int, batch: int, image_size: int, epoch: int = 1) -
     """One epoch of the train path with ``workers`` worker processes, timed over its
     middle half (batches steps/4 .. 3*steps/4): worker start-up, the first buffers
     filling and the last draining stay outside the window."""
-    from trjax import input_pipeline as ip
+    from trjax.data import input_pipeline as ip
     steps = ip.steps_per_epoch(len(folder), batch, "pad")
     if steps < 4:
         raise ValueError(f"{len(folder)} images at batch {batch} make {steps} batches; need >= 4")
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     workers = [int(w) for w in args.workers.split(",")]
-    from trjax.imagefolder import ImageFolder
+    from trjax.data.imagefolder import ImageFolder
     with tempfile.TemporaryDirectory(prefix="trjax_bench_input_") as tmp:
         root = args.folder
         if args.synthetic is not None:

@@ -29,12 +29,12 @@ Variants of the throughput modes, per world size N:
                   with a message when torch is not importable.
 
 Method: every variant of a world size is built first (trjax through
-``trjax.trainer.setup(config, data=Dataset of random normal images)``, torch as a
+``trjax.train.trainer.setup(config, data=Dataset of random normal images)``, torch as a
 server process that waits for commands), warmed up, then timed in interleaved
 rounds (the order rotates every round) so that background load hits all of
 them alike. Each timed step is ``state, m = train_step(state, device_batch)``
 followed by ``jax.block_until_ready``; two distinct device batches (made once
-by ``trjax.input_pipeline.to_device``) are cycled. Throughput is the global
+by ``trjax.data.input_pipeline.to_device``) are cycled. Throughput is the global
 batch over the median step time.
 
 Also reported per trjax variant: compile time of the train step, XLA's cost
@@ -82,7 +82,7 @@ def main(argv=None) -> int:
     from absl import logging as absl_logging
     absl_logging.set_verbosity(absl_logging.WARNING)
     if a.device == "cpu":
-        from trjax import host
+        from trjax.cpu import host
         try:
             lib = host.resolve_cpu_convolutions(a.cpu_convolutions, int(a.cpu_devices))
             reuse = a.reuse_memory == "on" or (a.reuse_memory == "auto" and lib == "ynnpack")

@@ -27,21 +27,17 @@ def main(argv):
     del argv
     logging.set_verbosity(logging.WARNING)  # jax's backend probing is not news
     config = flags.FLAGS.config
-    from trjax import host
+    from trjax.cpu import host
     host.configure_cpu(config.cpu_devices, config.cpu_convolutions, config.cpu_reuse_memory)
-    from trjax import compilation, executables, trainer
+    from trjax.train import compilation, trainer
     from trjax.report import comm_report, format_report
-    # the caches scripts/train.py uses: the same config loads the steps it compiled
+    # the cache scripts/train.py uses: the same config loads the steps it compiled
     compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
-    prepared = trainer.prepare(config)
-    store = executables.open_store(config.executable_store, compilation.cache_dir(),
-                                   trainer.store_context(prepared),
-                                   config.executable_store_max_mb)
-    report = comm_report(trainer.setup(config, prepared=prepared, store=store))
+    report = comm_report(trainer.setup(config))
     print(json.dumps(report, indent=2) if flags.FLAGS.json else format_report(report))
 
 
 if __name__ == "__main__":
-    from trjax.config import check_argv
+    from trjax.train.config import check_argv
     check_argv(sys.argv)
     app.run(main)

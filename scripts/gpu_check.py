@@ -220,7 +220,7 @@ def _script(a, args: list[str], timeout: float | None = None) -> subprocess.Comp
 def part_devices(a) -> dict:
     import platform
     if a.dry_run:
-        from trjax import host
+        from trjax.cpu import host
         host.configure_cpu(2)
     import jax
     import jaxlib
@@ -332,7 +332,7 @@ def part_benchmark(a) -> dict:
 def part_syncbn(a) -> dict:
     """One sync-BN train step on all devices against the same update in one piece."""
     if a.dry_run:
-        from trjax import host
+        from trjax.cpu import host
         host.configure_cpu(2)
     import jax
     jax.config.update("jax_default_matmul_precision", "highest")
@@ -340,7 +340,9 @@ def part_syncbn(a) -> dict:
     import optax
     sys.path.insert(0, os.path.join(REPO, "configs"))
     import default as default_config
-    from trjax import input_pipeline, models, optim, trainer
+    from trjax.data import input_pipeline
+    from trjax import models, optim
+    from trjax.train import trainer
     from trjax.world import host_value
 
     image, batch, name = ((8, 8, 3), 16, "resnet8") if a.dry_run else ((32, 32, 3), 64, "resnet20")

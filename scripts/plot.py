@@ -13,7 +13,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from trjax.metrics_log import read_rows  # noqa: E402
+from trjax.train.metrics_log import read_rows  # noqa: E402
 
 
 def main() -> int:

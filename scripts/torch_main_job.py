@@ -5,7 +5,7 @@
 The same job as ``scripts/train.py --config configs/default.py``:
 
 * data: scikit-learn's digits, the same split and per-channel mean/std
-  (``trjax.datasets.load_digits``, numpy only), images standardised as trjax's
+  (``trjax.data.datasets.load_digits``, numpy only), images standardised as trjax's
   model does; each epoch a fresh permutation (seeded by the epoch), global
   batch 128 split over the ranks, the last batch of the epoch partial
   (trjax pads it with masked rows: every example once, the same mean), or
@@ -61,7 +61,7 @@ def worker(rank: int, a: dict, port: int) -> None:
     from torch import nn
 
     from torch_ddp_bench import build_model
-    from trjax.datasets import load_digits
+    from trjax.data.datasets import load_digits
 
     t_main = a["t_main"]
     world = a["world"]

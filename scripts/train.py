@@ -6,10 +6,10 @@
 On a host without an accelerator, ``config.cpu_devices`` CPU devices are
 simulated so the data-parallel path always runs. Under ``srun``/``mpirun`` (or
 with ``JAX_COORDINATOR_ADDRESS``) the processes start as one run
-(``trjax.distributed.detect_launch``); a workdir another live run writes into
+(``trjax.train.distributed.detect_launch``); a workdir another live run writes into
 is refused.
 
-Exit codes (``trjax.stops``): 0 done; 1 bad input, an incompatible checkpoint or
+Exit codes (``trjax.train.stops``): 0 done; 1 bad input, an incompatible checkpoint or
 config, a busy workdir; 3 a peer process died or hangs; 4 non-finite steps
 (``halt_on_nonfinite``, ``max_consecutive_overflows``); 143 stopped by SIGTERM or
 SIGUSR1 after saving a checkpoint (start again to resume); 130 the same after Ctrl-C.
@@ -35,20 +35,20 @@ def main(argv):
     import jax
     config = flags.FLAGS.config
     # Only the CPU backend reads these; they must be set before any device is used.
-    from trjax import host
+    from trjax.cpu import host
     try:
         host.configure_cpu(config.cpu_devices, config.cpu_convolutions, config.cpu_reuse_memory)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    from trjax import distributed
+    from trjax.train import distributed
     d = config.distributed
     try:  # srun / mpirun / JAX_COORDINATOR_ADDRESS start one run of N processes
         distributed.initialize(d.coordinator, d.num_processes, d.process_id, auto=d.auto,
                                heartbeat_timeout_s=d.heartbeat_timeout_s)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    from trjax import stops
-    from trjax import workdir as workdir_lib
+    from trjax.train import stops
+    from trjax.train import workdir as workdir_lib
     from trjax.train import train_and_evaluate
     try:
         _, summary = train_and_evaluate(config, flags.FLAGS.workdir)
@@ -76,6 +76,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from trjax.config import check_argv
+    from trjax.train.config import check_argv
     check_argv(sys.argv)
     app.run(main)

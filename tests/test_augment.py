@@ -1,9 +1,9 @@
-"""Augmentation and evaluation crops (trjax.augment) against hand-made references."""
+"""Augmentation and evaluation crops (trjax.data.augment) against hand-made references."""
 import numpy as np
 import pytest
 from PIL import Image
 
-from trjax import augment as aug
+from trjax.data import augment as aug
 
 
 def gradient_image(w, h):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from trjax.host import available_cores
+from trjax.cpu.host import available_cores
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from helpers import skip_train_step_compile, small_config, to_host
-from trjax import checkpoint, compilation, input_pipeline, packing
+from trjax.train import checkpoint, compilation
+from trjax.data import input_pipeline
+from trjax import packing
 from trjax.train import setup, train_and_evaluate
 
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from trjax.distributed import Launch, detect_launch, resolve_launch
-from trjax.workdir import LOCK_NAME, WorkdirBusy, WorkdirLock
+from trjax.train.distributed import Launch, detect_launch, resolve_launch
+from trjax.train.workdir import LOCK_NAME, WorkdirBusy, WorkdirLock
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 TRAIN = [os.path.join(ROOT, "scripts", "train.py"), "--config",
@@ -118,7 +118,7 @@ def test_fake_srun_starts_one_run_of_two_processes(tmp_path):
 
 HOLDER = """
 import sys, time
-from trjax.workdir import WorkdirLock
+from trjax.train.workdir import WorkdirLock
 WorkdirLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -193,7 +193,7 @@ def test_a_lock_trjax_did_not_write_is_named_not_misread(tmp_path, content):
 
 
 def test_a_workdir_that_cannot_be_a_folder_is_a_clear_error(tmp_path):
-    from trjax.workdir import WorkdirError
+    from trjax.train.workdir import WorkdirError
     afile = tmp_path / "afile"
     afile.write_text("x")
     for bad in (afile, afile / "sub"):
@@ -207,7 +207,7 @@ def test_an_unwritable_checkpoint_folder_is_refused_before_training(tmp_path, mo
     from helpers import small_config
     from trjax import aot
     from trjax.train import train_and_evaluate
-    from trjax.workdir import WorkdirError, check_writable
+    from trjax.train.workdir import WorkdirError, check_writable
     check_writable(str(tmp_path / "new" / "checkpoints"))  # made, probed, left empty
     assert os.listdir(tmp_path / "new" / "checkpoints") == []
     (tmp_path / "checkpoints").write_text("a file where the folder goes")

@@ -156,7 +156,8 @@ def test_report_without_hlo_text(monkeypatch):
     """A backend whose Compiled.as_text() gives nothing: the report says so and
     still counts what the program requested, instead of failing."""
     from helpers import small_config
-    from trjax import report, trainer
+    from trjax import report
+    from trjax.train import trainer
     monkeypatch.setattr(comm, "hlo_text", lambda compiled: None)
     r = report.comm_report(trainer.setup(small_config(devices="2")))
     assert r["gradient_all_reduces"] is None and r["deep_before_first_conv_wgrad"] is None

@@ -1,4 +1,4 @@
-"""trjax.compilation: the persistent cache set-up and compile events filed by phase."""
+"""trjax.train.compilation: the persistent cache set-up and compile events filed by phase."""
 import functools
 import json
 import os
@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from helpers import small_config
-from trjax import aot, compilation, input_pipeline
+from trjax import aot
+from trjax.train import compilation
+from trjax.data import input_pipeline
 from trjax.train import train_and_evaluate
 
 
@@ -89,8 +91,8 @@ def test_a_cache_folder_that_cannot_be_made_is_named_or_turned_off(tmp_path, mon
 
 def test_second_process_with_the_same_cache_compiles_nothing(tiny_time_to_accuracy):
     """scripts/train.py twice on one --config.compilation_cache_dir: the first process
-    (a fresh cache) compiles, the second loads everything (the steps and the state
-    initialisation whole from the executable store, without tracing). The two processes are the
+    (a fresh cache) compiles, the second loads every program from jax's persistent cache
+    (it traces and lowers again). The two processes are the
     cold and warm runs of the session's tiny --time_to_accuracy (conftest), which
     launches exactly that pair (ResNet-8, 1 epoch, 2 devices)."""
     out, proc, _ = tiny_time_to_accuracy
@@ -112,12 +114,11 @@ def test_second_process_with_the_same_cache_compiles_nothing(tiny_time_to_accura
         assert warm["compiles_by_phase"][n] == {**warm["compiles_by_phase"][n], "built": 1,
                                                 "compiled": 0, "cache_hits": 1}
     assert warm["compilation_cache"]["misses"] == 0 and warm["compilation_cache"]["writes"] == 0
-    # the four steps and the state initialisation come whole from the executable store
-    # (untraced), the rest (the learning-rate table) from jax's cache
-    assert warm["compilation_cache"]["store_hits"] == 5
-    assert warm["compilation_cache"]["hits"] + warm["compilation_cache"]["store_hits"] == sum(
-        p["built"] for p in warm["compiles_by_phase"].values())
-    assert cold["compilation_cache"]["store_hits"] == 0
+    # every program (the four steps, the state initialisation, the learning-rate table)
+    # from jax's cache
+    assert warm["compilation_cache"]["hits"] == sum(
+        p["built"] for p in warm["compiles_by_phase"].values()) >= 5
+    assert cold["compilation_cache"]["hits"] == 0
     assert warm["compilation_cache"]["compile_s"] == 0.0
 
 

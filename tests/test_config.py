@@ -1,15 +1,15 @@
-"""trjax.config: every numeric key of the default config has a checked range."""
+"""trjax.train.config: every numeric key of the default config has a checked range."""
 
 import importlib.util
 import os
 
-from trjax import config as config_lib
+from trjax.train import config as config_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # numeric keys checked by the module that uses them, before anything is compiled
-CHECKED_ELSEWHERE = {"cpu_devices": "trjax.host.resolve_cpu_convolutions",
-                     "data_workers": "trjax.input_pipeline.resolve_workers",
-                     "distributed.process_id": "trjax.distributed (against num_processes)"}
+CHECKED_ELSEWHERE = {"cpu_devices": "trjax.cpu.host.resolve_cpu_convolutions",
+                     "data_workers": "trjax.data.input_pipeline.resolve_workers",
+                     "distributed.process_id": "trjax.train.distributed (against num_processes)"}
 
 
 def _numeric_keys(c, prefix=""):

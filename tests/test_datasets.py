@@ -1,4 +1,4 @@
-"""Sources (trjax.datasets): loaders for on-disk data sets, on tiny files written in the real formats.
+"""Sources (trjax.data.datasets): loaders for on-disk data sets, on tiny files written in the real formats.
 
 CIFAR batches are written both as Python 2 / numpy 1.x pickles (byte for byte
 the opcodes of the distributed files: protocol 2, str keys read back as bytes,
@@ -15,8 +15,8 @@ import struct
 import numpy as np
 import pytest
 
-from trjax import datasets as ds
-from trjax import input_pipeline as ip
+from trjax.data import datasets as ds
+from trjax.data import input_pipeline as ip
 
 # ---------------------------------------------------------------------------
 # Writers for the real formats.
@@ -326,5 +326,5 @@ def test_sources_never_import_the_pipeline():
         tree = ast.parse((root / f"{name}.py").read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
-        assert not {m for m in imported if m.startswith(("jax", "trjax.input_pipeline",
+        assert not {m for m in imported if m.startswith(("jax", "trjax.data.input_pipeline",
                                                          "trjax.train", "trjax.models"))}, name

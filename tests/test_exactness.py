@@ -6,7 +6,7 @@ import pytest
 
 from helpers import (assert_within_reorder_rounding, max_rel, random_batch, setup,
                      skip_train_step_compile, small_config, to_host)
-from trjax import input_pipeline as ip
+from trjax.data import input_pipeline as ip
 from trjax import aot, exchange, optim, steps
 from trjax.precision import update_loss_scale
 from trjax.state import create_train_state

@@ -1,11 +1,11 @@
-"""trjax.host: the simulated CPU device count and XLA:CPU's convolution library."""
+"""trjax.cpu.host: the simulated CPU device count and XLA:CPU's convolution library."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from trjax import host
+from trjax.cpu import host
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -57,7 +57,7 @@ os.environ.pop("XLA_FLAGS", None)
 if sys.argv[2]:
     os.environ["XLA_FLAGS"] = sys.argv[2]
 import jax, jax.numpy as jnp
-from trjax import host
+from trjax.cpu import host
 lib = host.configure_cpu(2, sys.argv[1], sys.argv[1] == "ynnpack")
 x, w = jnp.ones((8, 32, 32, 64)), jnp.ones((3, 3, 64, 64))
 conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
@@ -84,7 +84,7 @@ def test_configure_cpu_selects_the_convolution_library(setting, flags, expect):
 _FAULTS = """
 import resource, sys
 import jax, jax.numpy as jnp
-from trjax import host
+from trjax.cpu import host
 print(host.configure_cpu(1, "ynnpack", sys.argv[1] == "on")["reuse_memory"])
 # XLA:CPU's sort of 2^23 floats: a 32 MB sorted copy, 64 MB of int64 indices and the merge
 # scratch, each above glibc's largest mmap threshold (32 MB): 160 MB of temporaries per call

@@ -1,4 +1,4 @@
-"""trjax.im2col: the routed convolutions equal XLA's (values and gradients), the
+"""trjax.cpu.im2col: the routed convolutions equal XLA's (values and gradients), the
 others are XLA's own, and the model keeps nn.Conv's parameters."""
 
 import jax
@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax import lax
 
-from trjax import im2col, models
+from trjax.cpu import im2col
+from trjax import models
 
 NHWC = ("NHWC", "HWIO", "NHWC")
 

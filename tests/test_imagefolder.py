@@ -1,4 +1,4 @@
-"""ImageFolder sources (trjax.imagefolder, datasets.load_image_folder) on what real folders hold."""
+"""ImageFolder sources (trjax.data.imagefolder, datasets.load_image_folder) on what real folders hold."""
 import io
 import os
 import re
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trjax import datasets as ds
-from trjax import imagefolder as imf
+from trjax.data import datasets as ds
+from trjax.data import imagefolder as imf
 
 
 def gradient_image(w, h):

@@ -1,4 +1,4 @@
-"""The pipeline (trjax.input_pipeline): batches, determinism over splits and workers,
+"""The pipeline (trjax.data.input_pipeline): batches, determinism over splits and workers,
 resume, bad files, prefetch, normalisation and the host->device boundary."""
 import os
 import subprocess
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from trjax import augment
-from trjax import datasets as ds
-from trjax import input_pipeline as ip
+from trjax.data import augment
+from trjax.data import datasets as ds
+from trjax.data import input_pipeline as ip
 from trjax import models
 from trjax.world import make_world
 
@@ -196,11 +196,11 @@ def test_normalize_matches_numpy_and_the_model_applies_it():
     x = np.random.default_rng(0).integers(0, 256, (4, 6, 6, 3), dtype=np.uint8)
     mean, std = (120.5, 110.0, 99.25), (60.0, 55.5, 57.0)
     ref = (x.astype(np.float64) - np.array(mean)) / np.array(std)
-    out = jax.jit(lambda a: ip.normalize(a, mean, std, jnp.float32))(x)
+    out = jax.jit(lambda a: models.normalize(a, mean, std, jnp.float32))(x)
     assert out.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-6, atol=1e-6)
-    assert ip.normalize(x, mean, std, jnp.bfloat16).dtype == jnp.bfloat16
-    np.testing.assert_array_equal(ip.normalize(x, None, None), x.astype(np.float32))
+    assert models.normalize(x, mean, std, jnp.bfloat16).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(models.normalize(x, None, None), x.astype(np.float32))
     # a model given the statistics on uint8 == the same model on the standardised floats
     m8 = models.create_model("resnet8", num_classes=10, bn_mode="local", input_mean=mean, input_std=std)
     mf = models.create_model("resnet8", num_classes=10, bn_mode="local")

@@ -140,7 +140,7 @@ def test_route_b_pip_without_index(tmp_path, wheels):
                   *glob.glob(str(wheels / "packaging-*.whl"))], root, _env())
             _run([*pip, "--no-build-isolation", "-e", str(repo)], root, _env())
         out = _run([py, "-c", "import trjax, trjax.train, ml_collections, tensorboardX\n"
-                    "from trjax.config import load_config_file\n"
+                    "from trjax.train.config import load_config_file\n"
                     f"c = load_config_file({str(repo / 'configs' / 'default.py')!r})\n"
                     "print(trjax.__file__, c.model)"], root, _env())
         assert out.split() == [str(repo / "trjax" / "__init__.py"), "resnet20"], route

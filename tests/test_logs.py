@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from helpers import small_config, tensorboard_scalars
-from trjax import config as config_lib
-from trjax.metrics_log import read_rows
+from trjax.train import config as config_lib
+from trjax.train.metrics_log import read_rows
 from trjax.train import train_and_evaluate
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -65,7 +65,7 @@ def test_tensorboard_writer_does_not_import_torch(tmp_path):
     has_torch = importlib.util.find_spec("torch") is not None
     code = f"""
 import sys, ml_collections
-from trjax import loop_io
+from trjax.train import loop_io
 w = loop_io.open_tensorboard(ml_collections.ConfigDict({{"tensorboard": True}}), sys.argv[1], print)
 w.add_scalar("x", 2.5, 7); w.close()
 assert "torch" not in sys.modules, "torch was imported"
@@ -82,7 +82,7 @@ print("ok")
 
 
 def test_a_num_epochs_change_on_resume_says_the_schedule_changes(tmp_path):
-    from trjax import loop_io
+    from trjax.train import loop_io
     loop_io.save_config(small_config(num_epochs=2), str(tmp_path), resuming=False)
     changes = loop_io.save_config(small_config(num_epochs=3, log_every_steps=7), str(tmp_path),
                                   resuming=True)

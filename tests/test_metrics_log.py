@@ -4,7 +4,7 @@ import os
 import subprocess
 import sys
 
-from trjax.metrics_log import MetricsWriter, read_rows, repair
+from trjax.train.metrics_log import MetricsWriter, read_rows, repair
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
@@ -71,7 +71,7 @@ def test_plot_skips_the_cut_off_line(tmp_path):
 def test_step_log_images_per_s_after_a_resume_counts_this_process_images_only(monkeypatch):
     """A resumed log window holds images trained before the restart (its loss and top-1 stay
     exact); its throughput divides only the images trained since by the time since."""
-    from trjax import loop_io
+    from trjax.train import loop_io
     from trjax.metrics import StepMetrics
     clock = iter([100.0, 102.0, 106.0])  # reader made; step 4 logged; step 6 logged
     monkeypatch.setattr(loop_io.time, "perf_counter", lambda: next(clock))

@@ -9,10 +9,10 @@ import time
 import numpy as np
 
 from helpers import assert_within_reorder_rounding, max_rel, small_config, to_host
-from trjax import checkpoint, stops
+from trjax.train import checkpoint, stops
 from trjax.state import create_train_state
 from trjax.train import train_and_evaluate
-from trjax.trainer import prepare
+from trjax.train.trainer import prepare
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 TRAIN = [os.path.join(ROOT, "scripts", "train.py"), "--config", os.path.join(ROOT, "configs", "default.py"),

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from helpers import small_config, to_host
-from trjax import checkpoint, optim, stops
-from trjax.metrics_log import read_rows
+from trjax.train import checkpoint, stops
+from trjax import optim
+from trjax.train.metrics_log import read_rows
 from trjax.train import train_and_evaluate
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
@@ -103,7 +104,7 @@ def _script(workdir, *opts, kill_in_eval=None):
     signal at the start of its first evaluation (a real signal, during evaluation)."""
     pre = ""
     if kill_in_eval:
-        pre = ("import os, signal, trjax.train as t; f = t.evaluate_pass\n"
+        pre = ("import os, signal, trjax.train.loop as t; f = t.evaluate_pass\n"
                "def g(*a, **k):\n"
                f"    os.kill(os.getpid(), signal.{kill_in_eval}); t.evaluate_pass = f\n"
                "    return f(*a, **k)\n"

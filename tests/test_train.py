@@ -31,7 +31,7 @@ def _host_eval(model_name, data, params, batch_stats):
 
 
 def test_main_job_short(tmp_path, monkeypatch):
-    from trjax import input_pipeline
+    from trjax.data import input_pipeline
     orders = []
     real = input_pipeline.iterate_batches
 
@@ -62,7 +62,7 @@ def test_main_job_short(tmp_path, monkeypatch):
     assert [o for o in orders if o[1]] == [(1437, True, 0, 1), (1437, True, 0, 2)]
     assert {o for o in orders if not o[1]} == {(360, False, 0, 0)}
     # the reported validation metrics are those of the final state, recomputed on the host
-    from trjax import input_pipeline as ip
+    from trjax.data import input_pipeline as ip
     sums = _host_eval("resnet8", ip.load_digits(), state.params, state.batch_stats)
     assert s["val_top1"] == sums[1] / 360 and s["val_top5"] == sums[2] / 360
     np.testing.assert_allclose(s["val_loss"], sums[0] / 360, rtol=1e-5)
@@ -91,7 +91,7 @@ def test_dropped_remainder_trains_with_the_step_without_padding_mask(tmp_path, m
     """train_remainder="drop": 11 full batches of the 1437 digits per epoch, and the
     train step is built with padding=False (BatchNorm without the mask); the default
     ("pad", 1437 = 11 x 128 + 29) keeps the masked step (test_main_job_short)."""
-    from trjax import input_pipeline
+    from trjax.data import input_pipeline
     padding = _spy_train_step_padding(monkeypatch)
     masks = []
     real = input_pipeline.iterate_batches
@@ -118,7 +118,7 @@ def test_dropped_remainder_trains_with_the_step_without_padding_mask(tmp_path, m
 def test_a_padded_batch_is_refused_by_the_step_without_padding_mask(tmp_path, monkeypatch):
     """The loop checks the promise train_batches_full made: a batch with a padding row
     (here one forged into the first batch) stops the run before the step sees it."""
-    from trjax import input_pipeline
+    from trjax.data import input_pipeline
     real = input_pipeline.iterate_batches
 
     def forged(split, global_batch, **kw):
@@ -206,8 +206,6 @@ def test_comm_report_default_config():
     ("halt_after_steps", 2 ** 31, "config.halt_after_steps=2147483648 must be an int in [0, "),
     ("prefetch", -1, "config.prefetch=-1 must be an int in [0, 2147483647]"),
     ("learning_rate", float("inf"), "config.learning_rate=inf must be in (0, inf)"),
-    ("executable_store_max_mb", 0.0, "config.executable_store_max_mb=0.0 must be in (0, inf) "
-     "(MB, default 1024.0); to store no programs, set config.executable_store=False"),
     ("step_timeout_s", -1.0, "config.step_timeout_s=-1.0 must be in [0, inf) (seconds; 0 "
      "turns the watchdog off)"),
     ("conv_lowering", "gemm", "config.conv_lowering='gemm' is not one of"),
@@ -238,7 +236,7 @@ def test_the_data_set_size_checks_run_before_compiling(monkeypatch):
 
 
 def test_config_combinations_are_checked_in_one_place():
-    from trjax.config import validate
+    from trjax.train.config import validate
     validate(small_config(shard_optimizer_state=True))
     with pytest.raises(ValueError, match="config.shard_optimizer_state=True .* needs optimizer='sgd', "
                                          "compression='none' and allreduce='xla' .*'lars'"):
@@ -274,7 +272,7 @@ def test_training_loop_makes_no_implicit_transfers():
     """big_vision's rail (``jax_transfer_guard``) on the hot loop: every host<->device
     copy of a train step, the metrics reader and a validation pass is explicit."""
     import jax
-    from trjax import input_pipeline as ip
+    from trjax.data import input_pipeline as ip
     from trjax.train import MetricsReader
     tr = setup(small_config(global_batch_size=32, eval_batch_size=64))
     state, reader, world = tr.state, MetricsReader(1, False, False), tr.world

@@ -45,7 +45,7 @@ def test_make_world():
 def test_batch_messages_name_the_field_the_user_set():
     """Issue 13 item 2: eval_batch_size=10 used to say 'global_batch_size 10 is not divisible'."""
     from helpers import small_config
-    from trjax import config as config_lib
+    from trjax.train import config as config_lib
     for field, value, needle in [
             ("eval_batch_size", 10, "config.eval_batch_size 10 is not divisible by world_size 8; "
                                     "use 8 or 16 (local batch 1 or 2)"),

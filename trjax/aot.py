@@ -5,13 +5,11 @@ shapes, dtypes and shardings of example arguments (``jax.ShapeDtypeStruct``
 with sharding; nothing runs), optionally donating arguments (the train state).
 A :class:`CompiledStep` refuses arguments whose shape, dtype or sharding
 differ from the compiled ones instead of recompiling. On XLA:CPU the steps are
-compiled with :data:`CPU_COMPILER_OPTIONS`.
+compiled with :data:`trjax.cpu.compile_options.STEP_OPTIONS`.
 """
 
 from __future__ import annotations
 
-import os
-import re
 import time
 import weakref
 from typing import Callable
@@ -19,85 +17,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-
-CPU_COMPILER_OPTIONS = {"xla_cpu_copy_insertion_use_region_analysis": True,
-                        "xla_backend_optimization_level": 1}
-"""XLA:CPU options every step is compiled with (:func:`compile_step`).
-
-* Copy insertion with region analysis: the train step writes the new
-  parameters, momenta and step count into the donated state's buffers, and XLA
-  duplicates the momentum arithmetic into the parameter's fusion, so without the
-  analysis it copies each momentum (and each decayed kernel) before overwriting
-  it: 88 copies per device and step in the main job, 22 with it (XLA may
-  recompute a few scalars instead of copying them). The results are the same
-  bits; the main job's world-8 train step took 0.90-1.02x the wall and
-  0.90-0.97x the CPU, five runs each in one process, alternating epochs.
-* LLVM at level 1 (``-O1``; jaxlib's default is 3): the big kernels run in
-  YNNPACK and Eigen, so what LLVM optimises is elementwise and reduction
-  fusions, and level 3 mostly costs compile time. The main job's train step
-  compiles in 3.8 s (6.3 s of CPU) against 4.8 s (8.3 s); its steps take
-  1.002x the time (20 alternating epochs in one process). LLVM may round a
-  few operations differently: the main job's 15 epochs give the same bits,
-  ResNet-8 on 2 devices differs by a few ulps after a step, within the
-  rounding of a reordered sum (``tests/test_aot.py``).
-
-Both measured in ``docs/performance.md`` (seventh and eighth rounds). An option the
-process's ``XLA_FLAGS`` sets wins over these (:func:`compile_lowered`)."""
-
-
-def compiler_options(example_args) -> dict | None:
-    """The XLA options :func:`compile_step` compiles ``example_args``' step with:
-    :data:`CPU_COMPILER_OPTIONS` when the arguments live on CPU devices (the
-    first leaf with a sharding decides; without one, jax's default backend),
-    else ``None`` (XLA's defaults)."""
-    for leaf in jax.tree_util.tree_leaves(example_args):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None:
-            platform = next(iter(sharding.device_set)).platform
-            break
-    else:
-        platform = jax.default_backend()
-    return dict(CPU_COMPILER_OPTIONS) if platform == "cpu" else None
-
-
-_UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
-
-
-def flags_set_in_env() -> set[str]:
-    """The XLA option names this process's ``XLA_FLAGS`` sets (``--name=value`` or
-    ``--name``), e.g. ``{"xla_backend_optimization_level"}``."""
-    return set(re.findall(r"(?:^|\s)--([A-Za-z0-9_]+)", os.environ.get("XLA_FLAGS", "")))
-
-
-def compile_lowered(lowered, compiler_options: dict | None = None):
-    """``lowered.compile(compiler_options=...)`` (a ``jax.stages.Lowered``), less
-    the options this jaxlib's XLA does not know.
-
-    trjax's XLA:CPU options (:data:`CPU_COMPILER_OPTIONS`,
-    :data:`trjax.state.INIT_CPU_COMPILER_OPTIONS`) only save compile time, and XLA
-    adds and removes such options between releases: jaxlib 0.12 no longer has
-    ``xla_cpu_use_fusion_emitters`` (jaxlib 0.10 has it). XLA refuses an unknown
-    option before compiling anything (``INVALID_ARGUMENT: No such compile option``,
-    in about 2 ms), so each one it names is dropped and the compile tried again.
-
-    An option the process's ``XLA_FLAGS`` sets is dropped too, so that the user's
-    flag is the one in force (compile options override ``XLA_FLAGS``): e.g.
-    ``XLA_FLAGS=--xla_backend_optimization_level=3`` compiles trjax's steps at
-    LLVM -O3 again (:func:`flags_set_in_env`).
-
-    Raises:
-      jax.errors.JaxRuntimeError: any other compile error.
-    """
-    user = flags_set_in_env()
-    options = {k: v for k, v in (compiler_options or {}).items() if k not in user}
-    while True:
-        try:
-            return lowered.compile(compiler_options=options or None)
-        except jax.errors.JaxRuntimeError as e:
-            unknown = _UNKNOWN_OPTION.search(str(e))
-            if unknown is None or unknown.group(1) not in options:
-                raise
-            del options[unknown.group(1)]
+from trjax.cpu.compile_options import compile_lowered, step_options
 
 
 def abstract(tree):
@@ -331,32 +251,24 @@ def dealias(tree, seen: set | None = None):
     return jax.tree_util.tree_map(one, tree)
 
 
-def compile_step(name: str, fn: Callable, *example_args, donate_argnums=(),
-                 store=None) -> CompiledStep:
+def compile_step(name: str, fn: Callable, *example_args, donate_argnums=()) -> CompiledStep:
     """Lowers and compiles ``fn`` for the shapes/shardings of ``example_args``.
 
     ``example_args`` may be arrays or ``jax.ShapeDtypeStruct`` with sharding;
     nothing is executed. Arguments in ``donate_argnums`` are donated: their
     buffers are reused for the outputs, so the caller must not use them again.
+    jax's persistent compilation cache (:mod:`trjax.train.compilation`), keyed
+    by the lowered program, serves the executable when it holds it.
 
-    ``store``: a :class:`trjax.executables.ExecutableStore`; the executable is
-    loaded from it when present (nothing is traced: ``compile_s`` is then the
-    load's seconds), else compiled and stored.
-
-    XLA compiles it with :func:`compiler_options` (:data:`CPU_COMPILER_OPTIONS`
-    on CPU devices).
+    XLA compiles it with :func:`trjax.cpu.compile_options.step_options` (trjax's
+    XLA:CPU options on CPU devices, XLA's defaults elsewhere).
     """
     sig = abstract(example_args)
-    options = compiler_options(sig)
     t0 = time.perf_counter()
-    lower = lambda: jax.jit(fn, donate_argnums=donate_argnums).lower(*sig)
-    if store is None:
-        lowered = lower()
-        compiled, text = compile_lowered(lowered, options), lowered.as_text()
-    else:
-        compiled, text = store.build(store.key(name, fn, sig, _argnums(donate_argnums), options),
-                                     lower, options)
-    step = CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums, text)
+    lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*sig)
+    compiled = compile_lowered(lowered, step_options(sig))
+    step = CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums,
+                        lowered.as_text())
     step.fn = fn  # the function compiled (scripts/benchmark.py compiles it again undonated)
     return step
 

@@ -276,7 +276,7 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
 def from_config(config, plan: MemoryPlan, schedule, world: World) -> GradientExchange:
     """The exchange ``config`` asks for (``shard_optimizer_state``,
     ``compression``, ``allreduce``, the optimizer keys), with the learning-rate
-    ``schedule``. The config is assumed valid (:func:`trjax.config.validate`)."""
+    ``schedule``. The config is assumed valid (:func:`trjax.train.config.validate`)."""
     c = config
     opt = dict(momentum=c.momentum, weight_decay=c.weight_decay, nesterov=c.nesterov)
     if c.shard_optimizer_state:

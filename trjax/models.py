@@ -8,7 +8,7 @@ ends in global average pooling and one dense layer. Variants are built from one
 class with ``functools.partial``, as in the Flax ImageNet example.
 
 Input: ``x_BxHxWxC``, uint8 or float, standardised by the model itself when
-``input_mean`` / ``input_std`` are set (:func:`trjax.input_pipeline.normalize`,
+``input_mean`` / ``input_std`` are set (:func:`normalize`,
 inside the compiled step); output: logits ``[B, num_classes]`` float32.
 """
 
@@ -21,8 +21,30 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from trjax.batchnorm import BatchNorm
-from trjax.im2col import Im2colConv, resolve_conv_lowering
-from trjax.input_pipeline import normalize
+from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
+
+
+def normalize(images, mean, std, dtype=jnp.float32):
+    """``(images - mean) / std`` per channel, in float32, then cast to ``dtype``.
+
+    Pure and jittable: the compiled step calls it on the uint8 batch, so the
+    host never makes a float copy.
+
+    Args:
+      images: ``[..., C]``, uint8 (or any real dtype).
+      mean, std: ``C`` floats in the images' units, or ``None`` (no
+        standardisation, only the cast).
+      dtype: the result's dtype (the compute dtype).
+
+    Returns:
+      ``[..., C]`` of ``dtype``.
+    """
+    x = jnp.asarray(images).astype(jnp.float32)
+    if mean is not None:
+        per_channel = (1,) * (x.ndim - 1) + (-1,)  # explicit broadcast (no rank promotion)
+        x = ((x - jnp.asarray(mean, jnp.float32).reshape(per_channel))
+             / jnp.asarray(std, jnp.float32).reshape(per_channel))
+    return x.astype(dtype)
 
 
 class BasicBlock(nn.Module):
@@ -79,8 +101,8 @@ class ResNet(nn.Module):
       bn_mode, axis_name, bn_momentum: passed to every BatchNorm.
       dtype: compute dtype (parameters stay float32).
       conv_lowering: ``"xla"``, ``"im2col"`` (strided convolutions and windows
-        larger than their input as im2col + matmul, :mod:`trjax.im2col`) or
-        ``"auto"`` (im2col on CPU, :func:`trjax.im2col.resolve_conv_lowering`).
+        larger than their input as im2col + matmul, :mod:`trjax.cpu.im2col`) or
+        ``"auto"`` (im2col on CPU, :func:`trjax.cpu.im2col.resolve_conv_lowering`).
       input_mean, input_std: per-channel statistics of the input in its own
         units (the data set's ``mean`` / ``std``): the input becomes
         ``(x - mean) / std`` in float32, then ``dtype``. ``None``: only the cast.

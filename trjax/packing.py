@@ -1,6 +1,6 @@
 """A train state packed into one flat host array per dtype, and back.
 
-Checkpoints (:mod:`trjax.checkpoint`) store the packed arrays with their
+Checkpoints (:mod:`trjax.train.checkpoint`) store the packed arrays with their
 layout: every leaf's path in the state dict, shape, dtype and offset, as
 DeepSpeed's ZeRO checkpoints keep flat fp32 groups beside a map of parameter
 shapes. Orbax's cost grows with the leaf count (about 0.4 ms of CPU per leaf

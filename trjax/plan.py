@@ -70,7 +70,7 @@ def resolve_kernel_order(setting: str, platform: str, conv_lowering: str = "xla"
     XLA:CPU's weight-gradient convolution output, so packing a bucket is one
     copy instead of a transpose and a copy) and ``"HWIO"`` elsewhere; others pass through.
 
-    With ``conv_lowering="im2col"`` (the CPU default, :mod:`trjax.im2col`) the
+    With ``conv_lowering="im2col"`` (the CPU default, :mod:`trjax.cpu.im2col`) the
     kernels that im2col computes, the last stage's on the main job and so most
     of its kernel elements, get their gradients from a matmul, already in HWIO
     order. Measured on the main job (8 simulated devices, the three compiled in

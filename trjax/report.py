@@ -12,7 +12,7 @@ def comm_report(tr) -> dict:
     and the traffic model.
 
     Args:
-      tr: a :class:`trjax.trainer.Trainer` from :func:`trjax.trainer.setup`.
+      tr: a :class:`trjax.train.trainer.Trainer` from :func:`trjax.train.trainer.setup`.
 
     Returns:
       A JSON-ready dict: ``world_size``, ``bn_mode``, ``buckets``,

@@ -21,8 +21,8 @@ from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from trjax import collectives
-from trjax.aot import compile_lowered
-from trjax.world import DATA_AXIS, World
+from trjax.cpu.compile_options import compile_lowered, init_options
+from trjax.world import World
 
 
 @flax.struct.dataclass
@@ -63,30 +63,15 @@ def state_specs(bn_mode: str, exchange=None) -> TrainState:
                       comm_state=comm_specs)
 
 
-INIT_CPU_COMPILER_OPTIONS = {"xla_backend_optimization_level": 1,
-                             "xla_cpu_use_fusion_emitters": False}
-"""XLA:CPU options of the state-initialisation program. It is made of the
-threefry hashes and normal transforms of every parameter's initialiser, which
-LLVM at jaxlib's default level (3) compiled in 14-18 s for ResNet-20 on 8
-devices; level 1 compiles it about 3x faster, and XLA's older elemental
-emitters instead of its MLIR fusion emitters take another 0.6-0.8 s of CPU off
-(the main job: 2.8 against 3.5 s of CPU for trace, compile, run and check).
-Both give the bits of jaxlib's defaults (ResNet-20 and, in ``tests/test_aot.py``,
-ResNet-8); level 0 does not (1 ulp in some normals). jaxlib 0.12 has only the
-MLIR emitters and no such option: :func:`trjax.aot.compile_lowered` drops it there,
-as it drops any option the process's ``XLA_FLAGS`` sets (the user's flag wins).
-The program runs once, so its speed does not matter."""
-
-
 class TrainStateProgram(NamedTuple):
-    """The state-initialisation program of :func:`train_state_program`, traced
-    (or loaded), not yet compiled or run.
+    """The state-initialisation program of :func:`train_state_program`, traced,
+    not yet compiled or run.
 
     Attributes:
       abstract: the :class:`TrainState` it returns, as ``jax.ShapeDtypeStruct``
         leaves with shardings (what the steps compile against).
-      finish: ``() -> TrainState``: compiles the program (unless it was
-        loaded), runs it and checks the rank-0 broadcast
+      finish: ``() -> TrainState``: compiles the program, runs it and checks
+        the rank-0 broadcast
         (:func:`check_replicas_identical`). Safe to call on another thread
         while the steps compile (XLA's compile releases the GIL).
     """
@@ -95,17 +80,16 @@ class TrainStateProgram(NamedTuple):
 
 
 def create_train_state(rng, model: nn.Module, exchange, world: World,
-                       image_shape: tuple, bn_mode: str, loss_scale: float = 1.0,
-                       store=None) -> TrainState:
+                       image_shape: tuple, bn_mode: str, loss_scale: float = 1.0) -> TrainState:
     """The whole train state from one compiled program:
     ``train_state_program(...).finish()`` (same arguments)."""
     return train_state_program(rng, model, exchange, world, image_shape, bn_mode,
-                               loss_scale, store).finish()
+                               loss_scale).finish()
 
 
 def train_state_program(rng, model: nn.Module, exchange, world: World,
-                        image_shape: tuple, bn_mode: str, loss_scale: float = 1.0,
-                        store=None) -> TrainStateProgram:
+                        image_shape: tuple, bn_mode: str,
+                        loss_scale: float = 1.0) -> TrainStateProgram:
     """The program that makes the whole train state, laid out as
     :func:`state_specs` says; :attr:`TrainStateProgram.finish` compiles and runs it.
 
@@ -115,7 +99,7 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
     :func:`trjax.collectives.broadcast_from_rank0` (every replica gets rank 0's
     bits); the ``local``-mode BN rows; the exchange's optimizer and comm state
     (``exchange.init``, traced into the same program) and the scalar counters.
-    The persistent compilation cache (:mod:`trjax.compilation`) stores it as one
+    The persistent compilation cache (:mod:`trjax.train.compilation`) stores it as one
     entry. :func:`check_replicas_identical` then verifies the broadcast on the
     host. Rank 0's key, hence the parameters, do not depend on the world size.
 
@@ -130,13 +114,6 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
       image_shape: ``(H, W, C)`` of one example.
       bn_mode: ``sync``, ``running`` or ``local``.
       loss_scale: initial loss scale (fp16 dynamic scaling; 1.0 otherwise).
-      store: an :class:`trjax.executables.ExecutableStore` whose key context
-        covers ``model``, ``exchange``, ``world`` and ``bn_mode`` (the trainer's
-        :func:`trjax.trainer.store_context`): the program is loaded from it
-        when present, untraced (by ``finish()``: ``abstract`` comes from the
-        entry's record, so the loading can run on another thread), else
-        compiled and stored. ``None``: compiled.
-
     Returns:
       A :class:`TrainStateProgram`; its ``finish()`` returns the
       :class:`TrainState`, laid out as :func:`state_specs` says, and raises
@@ -152,10 +129,10 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
         make_key = lambda data: jax.random.wrap_key_data(data, impl=impl)
 
     def init_local(seed):
-        key = jax.random.fold_in(make_key(seed), lax.axis_index(DATA_AXIS))
+        key = jax.random.fold_in(make_key(seed), lax.axis_index(world.axis_name))
         x = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
         variables = model.init(key, x, train=False)
-        variables = collectives.broadcast_from_rank0(variables, DATA_AXIS)
+        variables = collectives.broadcast_from_rank0(variables, world.axis_name)
         return variables["params"], variables["batch_stats"]
 
     def create(seed):
@@ -173,35 +150,14 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
     shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp),
                                        state_specs(bn_mode, exchange),
                                        is_leaf=lambda x: isinstance(x, P))
-    options = dict(INIT_CPU_COMPILER_OPTIONS) if world.devices[0].platform == "cpu" else None
-    sig = jax.ShapeDtypeStruct(seed.shape, seed.dtype, sharding=seed.sharding)
-    key = None if store is None else store.key(  # the key's impl: rbg and unsafe_rbg keys
-        "create_train_state", create,             # have the same data, not the same bits
-        (sig, str(impl), image_shape, bn_mode, loss_scale), (), options)
+    lowered = jax.jit(create, out_shardings=shardings).lower(seed)
 
-    def run(compiled) -> TrainState:
-        state = compiled(seed)
+    def finish() -> TrainState:
+        state = compile_lowered(lowered, init_options(world.devices[0].platform))(seed)
         check_replicas_identical(state.params)
         return state
 
-    # stored: its results' shapes and shardings now, the executable loaded by finish() (on
-    # trjax.trainer.setup's thread, beside the steps' loads: 0.31 s beside 0.42 s, 2 cores)
-    abstract = None if store is None else store.out_info(key, world.mesh)
-    if abstract is not None:
-        def finish() -> TrainState:
-            found = store.load(key)
-            if found is None:  # unreadable after all (reported): compiled here
-                found = (store.compile(key, jax.jit(create, out_shardings=shardings).lower(seed),
-                                       options),)
-            return run(found[0])  # the record and the executable: one entry, one digest
-        return TrainStateProgram(abstract, finish)
-    found = None if store is None else store.load(key)  # no record of its results
-    if found is not None:
-        return TrainStateProgram(found[0].out_info, lambda: run(found[0]))
-    lowered = jax.jit(create, out_shardings=shardings).lower(seed)
-    compile_ = (lambda: compile_lowered(lowered, options)) if store is None else \
-        (lambda: store.compile(key, lowered, options))
-    return TrainStateProgram(lowered.out_info, lambda: run(compile_()))
+    return TrainStateProgram(lowered.out_info, finish)
 
 
 def check_replicas_identical(tree) -> None:

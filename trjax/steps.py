@@ -160,7 +160,7 @@ def make_train_step(model: nn.Module, exchange: GradientExchange, plan: MemoryPl
       grad_accumulation_steps: micro-batches per optimizer step (see
         :func:`forward_backward`); one exchange per step.
       padding: ``False`` when no batch this step is fed holds a padding row
-        (:func:`trjax.input_pipeline.train_batches_full`): BatchNorm is then
+        (:func:`trjax.data.input_pipeline.train_batches_full`): BatchNorm is then
         traced without the padding mask (see :func:`forward_backward`).
 
     Args of the returned function (global view): ``state``, a

@@ -48,9 +48,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                         "process with exactly N devices")
     p.add_argument("--cpu_convolutions", default="auto",
                    help="XLA:CPU convolutions: auto (eigen when devices <= cores), eigen, ynnpack; "
-                        "see trjax.host")
+                        "see trjax.cpu.host")
     p.add_argument("--reuse_memory", default="auto", choices=("auto", "on", "off"),
-                   help="glibc keeps freed host memory (trjax.host.reuse_host_memory, "
+                   help="glibc keeps freed host memory (trjax.cpu.host.reuse_host_memory, "
                         "config.cpu_reuse_memory); auto: on where the convolutions are "
                         "YNNPACK's (more devices than cores)")
     p.add_argument("--torch_threads", type=int, default=0,
@@ -155,9 +155,9 @@ def configure_environment(a: argparse.Namespace) -> None:
 
 
 def random_dataset(n: int, image: tuple, num_classes: int, seed: int = 0):
-    """An in-memory :class:`trjax.input_pipeline.Dataset` of random normal images."""
+    """An in-memory :class:`trjax.data.input_pipeline.Dataset` of random normal images."""
     import numpy as np
-    from trjax import input_pipeline
+    from trjax.data import input_pipeline
     rng = np.random.default_rng(seed)
     x = rng.normal(size=(n,) + tuple(image)).astype(np.float32)
     y = rng.integers(0, num_classes, n).astype(np.int32)

@@ -93,7 +93,7 @@ PROFILE_GROUPS = {
 def _profile_group(a, group: str, ref: str, specs, torch_worlds) -> list[dict]:
     variants, infos = {}, {}
     for name, world, ndev, flags, host_input, buckets, precision, *host_args in specs:
-        # jaxlib's defaults unless the spec names trjax.host settings of its own
+        # jaxlib's defaults unless the spec names trjax.cpu.host settings of its own
         host_args = host_args[0] if host_args else ["--cpu_convolutions", "ynnpack",
                                                     "--reuse_memory", "off"]
         env = dict(os.environ)

@@ -16,7 +16,7 @@ def serve(a) -> int:
     """Child of ``--profile``: one trjax variant answering ``run K`` on stdin."""
     spec = json.loads(a.serve)
     # two full batches (the ones timed); one more example pads a third, which keeps the
-    # padding mask in the train step (trjax.input_pipeline.train_batches_full)
+    # padding mask in the train step (trjax.data.input_pipeline.train_batches_full)
     data = random_dataset(2 * a.global_batch + int(a.padded_last_batch), a.image, a.num_classes)
     v = JaxVariant(spec["name"], make_config(a, spec["world"], spec["buckets"]), data,
                    memory_compare=False, host_input=spec["host_input"])

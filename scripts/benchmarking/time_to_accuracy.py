@@ -102,8 +102,6 @@ def run_one(a, variant: str, round_: int, cmd: list[str], workdir: str) -> dict:
             "step_build_s": round(sum(v["seconds"] for v in steps.values()), 3),
             "compile_s_total": s["compilation_cache"]["compile_s"],
             "cache_load_s_total": s["compilation_cache"]["load_s"],
-            # programs loaded whole from the executable store (untraced), of all phases
-            "store_hits": s["compilation_cache"].get("store_hits", 0),
             "train_s": round(train_s, 3),
             "checkpoint_blocking_s": s["checkpoint_blocking_s"],
             # summary.json "seconds": prepare, setup, train, evaluate, checkpoint (measured

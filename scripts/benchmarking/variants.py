@@ -17,13 +17,15 @@ from benchmarking.common import REPO, TORCH_SCRIPT
 
 
 class JaxVariant:
-    """A trjax train step built by ``trjax.trainer.setup``; ``run(k)`` times k steps."""
+    """A trjax train step built by ``trjax.train.trainer.setup``; ``run(k)`` times k steps."""
 
     def __init__(self, name: str, config, data, memory_compare: bool = True,
                  host_input: bool = False):
         import jax
         import numpy as np
-        from trjax import aot, comm, input_pipeline, trainer
+        from trjax import aot, comm
+        from trjax.data import input_pipeline
+        from trjax.train import trainer
         self.name, self.config, self.host_input = name, config, host_input
         t0 = time.perf_counter()
         self.tr = tr = trainer.setup(config, data)

@@ -1,13 +1,13 @@
-"""The training loop: a built :class:`trjax.trainer.Trainer` -> epochs of steps, evaluation, checkpoints.
+"""The training loop: a built :class:`trjax.train.trainer.Trainer` -> epochs of steps, evaluation, checkpoints.
 
 ``train_and_evaluate(config, workdir)`` is the whole job (the Flax ImageNet
 example's shape). It is the only place with side effects: it prints one log
 line per epoch (and a step log line every ``log_every_steps``) and writes
 ``workdir/config.json``, ``metrics.jsonl`` (one JSON line per epoch, through
-:class:`trjax.metrics_log.MetricsWriter`), ``steps.jsonl``, ``summary.json``,
+:class:`trjax.train.metrics_log.MetricsWriter`), ``steps.jsonl``, ``summary.json``,
 TensorBoard events and checkpoints. The host side of the loop (metric reads,
-step log, config file, profiler) is :mod:`trjax.loop_io`; stops on a signal
-and the exit codes are :mod:`trjax.stops`.
+step log, config file, profiler) is :mod:`trjax.train.loop_io`; stops on a signal
+and the exit codes are :mod:`trjax.train.stops`.
 
 The host never runs ahead of the devices by more than ``config.metrics_lag``
 steps: after dispatching step t it reads step t-lag's metrics (already
@@ -27,13 +27,14 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import (checkpoint, compilation, distributed, executables, host, input_pipeline,
-                   loop_io, metrics_log, stops)
-from trjax.loop_io import MetricsReader  # noqa: F401  (its home before loop_io)
+from trjax.train import checkpoint, compilation, distributed, loop_io, metrics_log, stops
+from trjax.cpu import host
+from trjax.data import input_pipeline
+from trjax.train.loop_io import MetricsReader  # noqa: F401  (its home before loop_io)
 # the trainer's pieces, also reached as trjax.train.<name> (the loop calls evaluate_pass
 # through this module, so a test may wrap it here)
-from trjax.trainer import Trainer, evaluate_pass, prepare, setup, store_context  # noqa: F401
-from trjax.workdir import check_writable, holds_workdir
+from trjax.train.trainer import Trainer, evaluate_pass, prepare, setup  # noqa: F401
+from trjax.train.workdir import check_writable, holds_workdir
 from trjax.world import host_value
 
 
@@ -77,7 +78,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
     Args:
       config: see ``configs/default.py``.
       workdir: where ``metrics.jsonl``, ``summary.json`` and checkpoints go.
-      data: optional in-memory :class:`trjax.input_pipeline.Dataset`.
+      data: optional in-memory :class:`trjax.data.input_pipeline.Dataset`.
 
     Returns:
       ``(state, summary)``: the final :class:`trjax.state.TrainState` and the
@@ -91,11 +92,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         ``config.halt_on_nonfinite``, or ``config.max_consecutive_overflows``
         non-finite steps in a row at the minimum loss scale (no checkpoint is
         written at that stop).
-      trjax.stops.Preempted: SIGTERM/SIGUSR1 arrived; the checkpoint at the
+      trjax.train.stops.Preempted: SIGTERM/SIGUSR1 arrived; the checkpoint at the
         step every process agreed on is saved and the logs are flushed.
       OSError (or orbax's error): a checkpoint write failed; raised at the
         next save or at the end of the loop (the previous checkpoints stay).
-      trjax.workdir.WorkdirBusy: another live run writes into ``workdir``.
+      trjax.train.workdir.WorkdirBusy: another live run writes into ``workdir``.
     """
     t_start = time.perf_counter()
     prepared = prepare(config, data, _saved_kernel_order(config, workdir))
@@ -151,9 +152,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
         say(f"config changed on resume: {change}")
     loop_io.parse_profile_steps(config.profile_steps)  # a bad value: error before compiling
     t = time.perf_counter()
-    store = executables.open_store(config.executable_store, compilation.cache_dir(),
-                                   store_context(prepared), config.executable_store_max_mb)
-    tr = setup(config, prepared=prepared, store=store)
+    tr = setup(config, prepared=prepared)
     seconds["setup"] = time.perf_counter() - t
     for c in tr.compiled:  # setup's builds of each step's program, filed under its name
         compiles.refile("startup", compilation.step_program(c), c.name)
@@ -172,9 +171,7 @@ def _train_and_evaluate(config, workdir, prepared, compiles, cache, t_start, sec
                                 for b, n in plan.bucket_elements.items()) +
         f"; the four steps built in {sum(c.compile_s for c in tr.compiled):.1f}s")
     say(f"compilation cache: {compilation.cache_dir() or 'off'} (start-up: "
-        f"{sum(b.cache == 'store' for b in compiles.builds)} programs loaded untraced from the "
-        f"executable store{'' if store else ' (off)'}, "
-        f"{sum(b.cache == 'hit' for b in compiles.builds)} from the cache, "
+        f"{sum(b.cache == 'hit' for b in compiles.builds)} programs from the cache, "
         f"{sum(b.compiled for b in compiles.builds)} compiled)")
 
     # -- every process must run the same job from the same parameters ---------

@@ -25,7 +25,7 @@ with identical results. In-memory sets are always gathered in-process
 
 uint8 to the device. Images stay uint8 on the host and in the transfer (4x
 fewer bytes than float32); the compiled step standardises them with
-:func:`normalize` (the model calls it on its input, with the data set's
+:func:`trjax.models.normalize` (the model calls it on its input, with the data set's
 ``mean`` / ``std``).
 """
 
@@ -38,11 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trjax import augment
-from trjax.datasets import (DATASETS, LOADERS, Dataset, Split, load_dataset,  # noqa: F401
+from trjax.data import augment
+from trjax.data.datasets import (DATASETS, LOADERS, Dataset, Split, load_dataset,  # noqa: F401
                             load_digits)  # re-exported: the pipeline's callers need one import
-from trjax.imagefolder import BadImage
-from trjax.prefetch import prefetch  # noqa: F401  (the pipeline's last host stage)
+from trjax.data.imagefolder import BadImage
+from trjax.data.prefetch import prefetch  # noqa: F401  (the pipeline's last host stage)
 
 REMAINDERS = ("pad", "drop")
 
@@ -187,9 +187,9 @@ def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
         are loaded. Default: all rows.
       start: the first batch (resuming mid-epoch: the batches are exactly the
         ones an uninterrupted pass yields from there).
-      augment: in-memory splits: :func:`trjax.augment.crop_flip` (4-pixel zero
-        padding, flip); on-demand sources: :func:`trjax.augment.train_crop`
-        (RandomResizedCrop + flip), else :func:`trjax.augment.eval_crop`. Each
+      augment: in-memory splits: :func:`trjax.data.augment.crop_flip` (4-pixel zero
+        padding, flip); on-demand sources: :func:`trjax.data.augment.train_crop`
+        (RandomResizedCrop + flip), else :func:`trjax.data.augment.eval_crop`. Each
         example's draws come from ``example_rng(seed, epoch, index)``.
       image_shape: ``(S, S, 3)`` for on-demand sources (default 224).
       workers: worker processes for on-demand sources (:func:`resolve_workers`).
@@ -247,29 +247,6 @@ def skipped_images(data: Dataset, seen: Iterable[str] = ()) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def normalize(images, mean, std, dtype=jnp.float32):
-    """``(images - mean) / std`` per channel, in float32, then cast to ``dtype``.
-
-    Pure and jittable: the compiled step calls it on the uint8 batch, so the
-    host never makes a float copy.
-
-    Args:
-      images: ``[..., C]``, uint8 (or any real dtype).
-      mean, std: ``C`` floats in the images' units, or ``None`` (no
-        standardisation, only the cast).
-      dtype: the result's dtype (the compute dtype).
-
-    Returns:
-      ``[..., C]`` of ``dtype``.
-    """
-    x = jnp.asarray(images).astype(jnp.float32)
-    if mean is not None:
-        per_channel = (1,) * (x.ndim - 1) + (-1,)  # explicit broadcast (no rank promotion)
-        x = ((x - jnp.asarray(mean, jnp.float32).reshape(per_channel))
-             / jnp.asarray(std, jnp.float32).reshape(per_channel))
-    return x.astype(dtype)
-
-
 def device_image_dtype(host_dtype, compute_dtype) -> np.dtype:
     """The dtype images travel in: uint8 stays uint8; anything else is cast to ``compute_dtype``."""
     return np.dtype(np.uint8) if np.dtype(host_dtype) == np.uint8 else np.dtype(compute_dtype)
@@ -294,7 +271,7 @@ def to_device(batch: dict, sharding, num_classes: int, dtype=np.float32, *,
 
     Labels must be integers in ``[0, num_classes)`` (checked on real rows);
     they become int32. uint8 images travel as uint8 (the compiled step
-    normalises them, :func:`normalize`); other images are cast explicitly to
+    normalises them, :func:`trjax.models.normalize`); other images are cast explicitly to
     ``dtype`` (float64 and integer inputs are converted by value, never
     reinterpreted). Every real row's pixels must be finite both before AND
     after that cast: a value the device dtype cannot hold (uint16 65535 or

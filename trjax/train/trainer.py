@@ -11,17 +11,17 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import dataclasses
-import json
 from typing import Any
 
 import jax
 import ml_collections
 import numpy as np
 
-from trjax import aot, input_pipeline, models, optim, steps
-from trjax import config as config_lib
+from trjax import aot, models, optim, steps
+from trjax.data import input_pipeline
+from trjax.train import config as config_lib
 from trjax import exchange as exchange_lib
-from trjax.im2col import resolve_conv_lowering
+from trjax.cpu.im2col import resolve_conv_lowering
 from trjax.metrics import METRICS, StepMetrics
 from trjax.plan import build_plan, resolve_kernel_order
 from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
@@ -36,7 +36,7 @@ class Trainer:
     ``state`` and the compiled steps are ``None`` in the output of
     :func:`prepare` (nothing traced or placed on devices yet). ``full_batches``:
     no training batch holds a padding row
-    (:func:`trjax.input_pipeline.train_batches_full`), so the train step is
+    (:func:`trjax.data.input_pipeline.train_batches_full`), so the train step is
     compiled without BatchNorm's padding mask; the loop refuses a batch with one."""
     config: Any
     world: Any
@@ -65,7 +65,7 @@ def prepare(config: ml_collections.ConfigDict,
     """Config -> world -> data -> model, plan, schedule and gradient exchange.
 
     Every check on the config, the device spec and the batch split runs
-    first (:func:`trjax.config.validate`); nothing is traced, compiled or
+    first (:func:`trjax.train.config.validate`); nothing is traced, compiled or
     placed on a device. :func:`setup` finishes the job.
 
     ``saved_kernel_order``: the bucket kernel order of the checkpoint a run
@@ -108,41 +108,9 @@ def prepare(config: ml_collections.ConfigDict,
                    compute_dtype(config.precision), full)
 
 
-OUTSIDE_PROGRAMS = (
-    "checkpoint_async", "checkpoint_every_steps", "compilation_cache", "compilation_cache_dir",
-    "data_dir", "data_workers", "distributed", "executable_store", "executable_store_max_mb",
-    "halt_after_steps", "halt_on_nonfinite", "keep_checkpoints", "log_every_steps",
-    "max_consecutive_overflows", "metrics_lag", "preemption_check_every_steps", "prefetch",
-    "profile_steps", "progress", "resume", "skip_bad_images", "step_timeout_s", "tensorboard",
-    "verify_images")
-"""Config keys that enter none of the programs :func:`setup` builds (they steer the
-loop, its I/O and where data and caches live; the data itself is described
-separately; ``skip_bad_images`` acts through ``Trainer.full_batches``, which the
-context holds): left out of :func:`store_context`, so that runs differing only in
-them (a resume, a drill's ``halt_after_steps``) share stored executables.
-``tests/test_executables.py`` checks that changing all of them leaves the
-lowered train step unchanged."""
-
-
-def store_context(tr: Trainer) -> tuple:
-    """What the step functions :func:`setup` builds close over, for the key of
-    an :class:`trjax.executables.ExecutableStore`: the config (less
-    :data:`OUTSIDE_PROGRAMS`), the data's shape, dtype, class count, mean, std
-    and size, the model, the plan's bucket layout and the steps per epoch (the
-    learning-rate schedule), and whether the train step masks padding rows
-    (``full_batches``: decided by the data too, e.g. a source that skips bad files)."""
-    data = tr.data
-    config = {k: v for k, v in tr.config.to_dict().items() if k not in OUTSIDE_PROGRAMS}
-    return (json.dumps(config, sort_keys=True, default=repr),
-            (tr.data.image_shape, str(data.image_dtype), data.num_classes, data.mean, data.std,
-             len(data.train.labels), len(data.val.labels)),
-            repr(tr.model), repr(dataclasses.replace(tr.plan, memory=None)), tr.steps_per_epoch,
-            str(tr.dtype), tr.exchange.name, repr(tr.world.mesh), tr.full_batches)
-
-
 def setup(config: ml_collections.ConfigDict,
-          data: input_pipeline.Dataset | None = None, prepared: Trainer | None = None,
-          store=None) -> Trainer:
+          data: input_pipeline.Dataset | None = None,
+          prepared: Trainer | None = None) -> Trainer:
     """:func:`prepare`, then the train state and the compiled steps.
 
     The four steps are compiled here, once, with the train state donated;
@@ -150,14 +118,9 @@ def setup(config: ml_collections.ConfigDict,
 
     Args:
       config: see ``configs/default.py``.
-      data: a :class:`trjax.input_pipeline.Dataset` to use instead of
+      data: a :class:`trjax.data.input_pipeline.Dataset` to use instead of
         ``config.dataset`` (arrays already in memory).
       prepared: the output of :func:`prepare` for this config, if already built.
-      store: an :class:`trjax.executables.ExecutableStore` keyed with
-        :func:`store_context` of ``prepared``: programs found there are loaded
-        without tracing, the others are compiled and stored; at the end the
-        store evicts its least recently used entries beyond its size limit
-        (:meth:`~trjax.executables.ExecutableStore.evict`).
 
     Raises:
       ValueError: an invalid config, device spec or batch split (before
@@ -167,8 +130,7 @@ def setup(config: ml_collections.ConfigDict,
     world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
     fp16 = config.precision == "fp16"
     init = train_state_program(config.seed, model, tr.exchange, world, data.image_shape,
-                               config.bn_mode, loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0,
-                               store=store)
+                               config.bn_mode, loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
 
     def example(n):
         return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
@@ -178,12 +140,9 @@ def setup(config: ml_collections.ConfigDict,
                 "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
     acc_shape = jax.ShapeDtypeStruct((world.world_size, len(METRICS)), np.float32,
                                      sharding=world.sharded())
-    # The state initialisation compiles (or loads) and runs on a thread of its own while
-    # this one traces and compiles (or loads) the steps (XLA releases the GIL): cold, the
-    # main job's set-up took 9.7 / 10.5 s against 10.8 / 11.1 s one after the other (2
-    # cores; XLA's compile already uses both for a part of its time); warm, 0.69-0.71 s
-    # against 0.88-0.95 s. Its build is filed under the phase this thread is in (the
-    # copied context).
+    # The state initialisation compiles and runs on a thread of its own while this one
+    # traces and compiles the steps (XLA releases the GIL; docs/performance.md). Its
+    # build is filed under the phase this thread is in (the copied context).
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trjax-init") as pool:
         pending_state = pool.submit(contextvars.copy_context().run, init.finish)
         train_step = aot.compile_step(
@@ -192,19 +151,16 @@ def setup(config: ml_collections.ConfigDict,
                 growth_interval=config.loss_scale_growth_interval,
                 grad_accumulation_steps=config.grad_accumulation_steps,
                 padding=not tr.full_batches),
-            init.abstract, example(world.global_batch_size), donate_argnums=0, store=store)
+            init.abstract, example(world.global_batch_size), donate_argnums=0)
         fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode),
-                                   init.abstract, store=store)
+                                   init.abstract)
         folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
         eval_step = aot.compile_step("eval_step",
                                      steps.make_eval_step(model, world, config.bn_mode),
                                      init.abstract.params, folded, example(config.eval_batch_size),
-                                     acc_shape, donate_argnums=3, store=store)
-        eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape,
-                                       store=store)
+                                     acc_shape, donate_argnums=3)
+        eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
         state = pending_state.result()
-    if store is not None:  # once, with every program of this run keyed: none of them goes
-        store.evict()
     return dataclasses.replace(tr, plan=plan.with_memory(train_step.memory()), state=state,
                                train_step=train_step, fold_bn=fold_bn, eval_step=eval_step,
                                eval_reduce=eval_reduce)

@@ -22,9 +22,7 @@ was found (``/jax/compilation_cache/cache_misses`` is jax's name for an entry
 *written*). ``CompileLog`` listens to them while open and files each build
 under the phase the training thread is in (``with log.phase("train"):``);
 builds on other threads (an asynchronous checkpoint writer) are filed under
-``"background"``. A program loaded whole from trjax's executable store
-(:mod:`trjax.executables`, nothing traced) reports ``STORE_LOAD_EVENT`` instead
-and is filed as such. Source of the event names: ``jax/_src/dispatch.py``,
+``"background"``. Source of the event names: ``jax/_src/dispatch.py``,
 ``jax/_src/compiler.py`` (``compile_or_get_cached``),
 ``jax/_src/compilation_cache.py``.
 """
@@ -47,7 +45,6 @@ BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # recorded when an entry is written
-STORE_LOAD_EVENT = "/trjax/executable_store/load"  # trjax.executables: loaded, not traced
 BACKGROUND = "background"
 
 
@@ -138,8 +135,7 @@ def program_key(name: str) -> str:
 class Build:
     """One executable built: ``phase``, ``program`` (jax's name for it),
     ``seconds`` (wall), ``cache``: ``"hit"`` (loaded from the persistent cache),
-    ``"store"`` (loaded whole from trjax's executable store, nothing traced:
-    :mod:`trjax.executables`), ``"miss"`` (looked up, not found, compiled) or
+    ``"miss"`` (looked up, not found, compiled) or
     ``"off"`` (compiled, no cache)."""
     phase: str
     program: str
@@ -149,7 +145,7 @@ class Build:
     @property
     def compiled(self) -> bool:
         """True when XLA compiled it (not loaded from a cache)."""
-        return self.cache not in ("hit", "store")
+        return self.cache != "hit"
 
 
 _PHASES: contextvars.ContextVar = contextvars.ContextVar("trjax_compile_phases", default=())
@@ -165,7 +161,7 @@ class CompileLog:
     entry, removes them on exit); ``with log.phase(name):`` sets the phase of
     builds in the opener's context (phases nest; the innermost counts). A
     thread run in a copy of that context (``contextvars.copy_context().run``,
-    as :func:`trjax.trainer.setup` runs the state initialisation beside the
+    as :func:`trjax.train.trainer.setup` runs the state initialisation beside the
     steps' compiles) files its builds under the phase current at the copy;
     builds on other threads (e.g. a checkpoint writer) under ``"background"``.
 
@@ -196,9 +192,7 @@ class CompileLog:
                 self.writes += 1
 
     def _duration(self, event: str, duration: float, **kwargs) -> None:
-        if event == STORE_LOAD_EVENT:
-            cache = "store"
-        elif event == BACKEND_COMPILE_EVENT:
+        if event == BACKEND_COMPILE_EVENT:
             hit = getattr(self._pending, "hit", False)
             lookup = getattr(self._pending, "lookup", False)
             self._pending.hit = self._pending.lookup = False
@@ -269,15 +263,12 @@ class CompileLog:
         return dict(out)
 
     def cache_summary(self) -> dict:
-        """``{"dir", "hits", "store_hits", "misses", "writes", "compile_s",
-        "load_s"}``: the persistent cache over the whole log (``store_hits``:
-        executables loaded whole from the executable store, untraced;
-        ``misses``: looked up, not found, compiled; ``compile_s``: seconds XLA
-        compiled; ``load_s``: seconds of the builds served from either)."""
+        """``{"dir", "hits", "misses", "writes", "compile_s", "load_s"}``: the
+        persistent cache over the whole log (``misses``: looked up, not found, compiled; ``compile_s``: seconds XLA
+        compiled; ``load_s``: seconds of the builds served from the cache)."""
         builds = list(self.builds)
         return {"dir": cache_dir(),
                 "hits": sum(b.cache == "hit" for b in builds),
-                "store_hits": sum(b.cache == "store" for b in builds),
                 "misses": sum(b.cache == "miss" for b in builds),
                 "writes": self.writes,
                 "compile_s": round(sum(b.seconds for b in builds if b.compiled), 3),

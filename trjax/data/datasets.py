@@ -1,7 +1,7 @@
 """Data sources: every data set trjax reads, behind one registry.
 
 A source yields examples as they are stored; the pipeline
-(:mod:`trjax.input_pipeline`) batches, augments, prefetches and ships them.
+(:mod:`trjax.data.input_pipeline`) batches, augments, prefetches and ships them.
 This module imports nothing from the pipeline.
 
 * ``load_digits()``: scikit-learn's 1,797 real 8x8 digits (shipped, no download).
@@ -9,16 +9,16 @@ This module imports nothing from the pipeline.
   (``cifar-10-batches-py/data_batch_1..5``, ``test_batch``) or
   ``cifar-100-python.tar.gz`` (``cifar-100-python/train``, ``test``).
 * ``load_mnist(root)``: the four IDX files of MNIST or Fashion-MNIST, plain or
-  ``.gz`` (:func:`trjax.formats.read_idx`).
+  ``.gz`` (:func:`trjax.data.formats.read_idx`).
 * ``load_image_folder(root)``: ``root/{train,val}/class_name/*.jpg|png|...``
-  (ImageNet layout), decoded on demand (:mod:`trjax.imagefolder`).
+  (ImageNet layout), decoded on demand (:mod:`trjax.data.imagefolder`).
 
 Pixels stay uint8 on the host and on the way to the device (4x fewer bytes
 than float32). A :class:`Dataset` carries the per-channel ``mean`` and ``std``
 of its training pixels in the stored units (computed exactly from the pixels
 every time an in-memory set is loaded; the ImageNet constants for image
 folders); the compiled step standardises, ``(x - mean) / std``
-(:func:`trjax.input_pipeline.normalize`).
+(:func:`trjax.models.normalize`).
 
 Errors: a missing root or file raises ``FileNotFoundError`` naming the path and
 what was expected there; a malformed file (unexpected pickle content, bad IDX
@@ -33,8 +33,8 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from trjax.formats import read_cifar_pickle, read_idx
-from trjax.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolder
+from trjax.data.formats import read_cifar_pickle, read_idx
+from trjax.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolder
 
 
 class Split(NamedTuple):
@@ -49,7 +49,7 @@ class Dataset(NamedTuple):
 
     Attributes:
       train, val: in-memory :class:`Split` arrays, or sources decoded on demand
-        (:class:`trjax.imagefolder.ImageFolder`), which then give ``shape``.
+        (:class:`trjax.data.imagefolder.ImageFolder`), which then give ``shape``.
       num_classes: labels are in ``[0, num_classes)``.
       name: the data set's name.
       shape: ``(S, S, 3)`` of an example from an on-demand source.
@@ -118,7 +118,7 @@ def _uint8_dataset(train_x, train_y, val_x, val_y, num_classes, name) -> Dataset
                    num_classes, name, mean=mean, std=std)
 
 
-DIGITS_FILE = Path(__file__).parent / "data" / "digits.npz"  # scikit-learn's digits + split
+DIGITS_FILE = Path(__file__).parent / "digits.npz"  # scikit-learn's digits + split
 
 
 def load_digits(val_fraction: float = 0.2, seed: int = 0) -> Dataset:
@@ -218,7 +218,7 @@ def load_cifar(root, num_classes: int = 10) -> Dataset:
       ``[N, 32, 32, 3] uint8`` as stored (50,000 train, 10,000 val for the real
       data), labels ``[N] int32``, and ``mean`` / ``std`` per channel of the
       training pixels in uint8 units (computed here, not hard-coded); the
-      compiled step standardises (:func:`trjax.input_pipeline.normalize`).
+      compiled step standardises (:func:`trjax.models.normalize`).
 
     Raises:
       FileNotFoundError: ``root`` or one of the expected files does not exist

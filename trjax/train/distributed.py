@@ -3,7 +3,7 @@
 Between GPUs XLA's collectives run on NCCL, between CPU processes on gloo: no
 transport of our own. This module only starts the runtime, checks that the
 processes agree, and watches for a stuck step (one writer per workdir is
-:mod:`trjax.workdir`).
+:mod:`trjax.train.workdir`).
 
 * :func:`detect_launch` / :func:`initialize` -- ``jax.distributed.initialize``
   with an explicit coordinator (``host:port``, process count, process id) or,

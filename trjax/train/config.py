@@ -16,7 +16,9 @@ import os
 
 import ml_collections
 
-from trjax import compression, host, im2col, input_pipeline, models, optim
+from trjax import compression, models, optim
+from trjax.cpu import host, im2col
+from trjax.data import input_pipeline
 from trjax.batchnorm import BN_MODES
 from trjax.exchange import ALLREDUCE_CHOICES
 from trjax.plan import BUCKET_POLICIES, KERNEL_ORDERS
@@ -50,12 +52,9 @@ FLOAT_RANGES = {  # key: (low, low included, high, high included); NaN is out of
     "step_timeout_s": (0.0, True, INF, False),  # 0: no watchdog
     "learning_rate": (0.0, False, INF, False), "topk_ratio": (0.0, False, 1.0, True),
     "compression_min_fraction": (0.0, True, 1.0, True),
-    "executable_store_max_mb": (0.0, False, INF, False),
 }
 """Numeric config keys and their valid ranges; anything else is an error naming the key."""
 _RANGE_HINTS = {
-    "executable_store_max_mb": " (MB, default 1024.0); to store no programs, set "
-                               "config.executable_store=False",
     "step_timeout_s": " (seconds; 0 turns the watchdog off)",
 }
 
@@ -114,7 +113,7 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
         raise ValueError(f"config.data_dir={c.data_dir!r} is set but dataset='digits' is built "
                          "in and reads no folder; choose the dataset that folder holds "
                          f"(one of {list(input_pipeline.DATASETS)}) or leave data_dir empty")
-    from trjax.loop_io import parse_profile_steps
+    from trjax.train.loop_io import parse_profile_steps
     parse_profile_steps(c.profile_steps)
     if c.shard_optimizer_state and (c.optimizer != "sgd" or c.compression != "none"
                                     or c.allreduce != "xla"):

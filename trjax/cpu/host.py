@@ -128,7 +128,7 @@ def configure_cpu(cpu_devices: int, convolutions: str = "auto",
     initialized = getattr(getattr(jax._src, "xla_bridge", None), "backends_are_initialized",
                           lambda: False)
     if initialized():
-        raise ValueError("trjax.host.configure_cpu: the jax backend is already initialized; "
+        raise ValueError("trjax.cpu.host.configure_cpu: the jax backend is already initialized; "
                          "call it before the first jax.devices() or computation")
     jax.config.update("jax_num_cpu_devices", int(cpu_devices))
     flags = os.environ.get("XLA_FLAGS", "")

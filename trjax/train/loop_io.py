@@ -31,8 +31,7 @@ RESUME_MAY_CHANGE = (
     "profile_steps", "checkpoint_every_steps", "keep_checkpoints", "checkpoint_async",
     "step_timeout_s", "halt_on_nonfinite", "max_consecutive_overflows", "metrics_lag",
     "prefetch", "data_workers", "data_dir", "devices", "cpu_devices", "cpu_convolutions",
-    "conv_lowering", "cpu_reuse_memory", "compilation_cache", "compilation_cache_dir",
-    "executable_store", "executable_store_max_mb", "distributed",
+    "conv_lowering", "cpu_reuse_memory", "compilation_cache", "compilation_cache_dir", "distributed",
     "preemption_check_every_steps", "verify_images")
 """Config keys (top level) that may differ between a run and its resume: where
 and how it runs and logs, how long, how often it saves; none changes the

@@ -1,6 +1,6 @@
 """Readers of the distributed file formats: CIFAR python pickles and IDX (MNIST) files.
 
-Used by :mod:`trjax.datasets`; they check what they read and name the file in
+Used by :mod:`trjax.data.datasets`; they check what they read and name the file in
 every error (``ValueError``).
 """
 
