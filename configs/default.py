@@ -1,9 +1,8 @@
 """Default: CIFAR-style ResNet-20 on scikit-learn's digits, 8 (simulated) devices.
 
 Run:    python scripts/train.py --config configs/default.py --workdir runs/default
-Reaches: val_top1 0.9944 on the 360 held-out digits in 7-8.5 s (compiled steps stored)
-        to 14-17.5 s (empty cache) on a 2-core CPU
-        (world size 8 simulated CPU devices; on a GPU host: all GPUs).
+Reaches: val_top1 0.9944 on the 360 held-out digits (world size 8 simulated CPU
+        devices; on a GPU host: all GPUs). Times: docs/performance.md.
 """
 
 import ml_collections
@@ -27,15 +26,14 @@ def get_config() -> ml_collections.ConfigDict:
     #                                count them in summary.json "skipped_images"
     c.train_remainder = "pad"      # "pad" (mask-0 rows, every example once) or "drop"; with
     #                                full batches only (drop, or a split that divides by the
-    #                                global batch) the train step has no BN padding mask:
-    #                                1.04-1.11x faster steps, ~20% less compile
+    #                                global batch) the train step has no BN padding mask
     # world
     c.devices = "all"              # "all", a count "4", a range "0-3", a list "0,2,5"
     c.cpu_devices = 8              # simulated CPU devices when there is no accelerator
     c.cpu_convolutions = "auto"    # XLA:CPU convolutions: "eigen", "ynnpack"; auto: eigen
     #                                when cpu_devices <= cores (trjax.cpu.host)
     c.conv_lowering = "auto"       # strided convolutions and windows larger than their input:
-    #                                "im2col" (+ one matmul; XLA:CPU's are 1.2-5x slower),
+    #                                "im2col" (+ one matmul; XLA:CPU's are slower),
     #                                "xla"; auto: im2col on CPU (trjax.cpu.im2col)
     c.cpu_reuse_memory = False     # glibc keeps freed host memory: no page faults per step;
     #                                pays for big models only (trjax.cpu.host)
@@ -47,8 +45,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.bn_momentum = 0.9
     # communication
     c.buckets = "two"              # "two" (seed), "tail_minimal", "size:<MB>", "per_leaf"
-    c.bucket_kernel_order = "auto"  # conv grads in the buckets: "HWIO", "IHWO"; auto: IHWO on
-    #                                 CPU with conv_lowering="xla", else HWIO (trjax.plan)
     c.allreduce = "xla"            # "xla" (psum -> NCCL), "ring", "halving_doubling", "tree",
     #                                "hierarchical" (within a node, then across nodes)
     c.allreduce_local_size = 0     # hierarchical: devices per node (0: devices per process)

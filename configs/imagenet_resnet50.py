@@ -3,7 +3,7 @@
 Run:     python scripts/train.py --config configs/imagenet_resnet50.py --workdir runs/imagenet \
              --config.data_dir=/path/to/imagenet   # holds train/<wnid>/*.JPEG and val/<wnid>/*.JPEG
 Reaches: about 76% val top-1 after 90 epochs with global batch 1024 (Goyal et al. 2017: 76.3%).
-Multi-host: start it under your launcher (srun, mpirun): the processes form one run (README, Multi-host).
+Multi-host: start it under your launcher (srun, mpirun): the processes form one run (docs/multihost.md).
 """
 
 from configs import default

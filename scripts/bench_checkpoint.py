@@ -3,13 +3,13 @@
   python scripts/bench_checkpoint.py [--saves 6] [--gap_s 0.3]
 
 Variants: orbax handed the replicated device arrays and waited on (trjax before
-issue 14), a host copy saved leaf by leaf (177 leaves for the default job: trjax
-before the packing), the packed host copy (``trjax.train.checkpoint.pack``: one array
-per dtype) synchronously, and asynchronously (the time until ``save`` returns).
-For each: the first save's seconds, the median of the later ones, the process's
-CPU seconds per save (every thread: orbax's background writer too; on a small
-host they are taken from the training steps), and the programs jax built during
-the saves (``trjax.train.compilation.CompileLog``). ``--gap_s`` stands for the
+issue 14), and ``trjax.train.checkpoint.save`` (a host copy of the state dict,
+one stored array per leaf, with per-leaf CRC-32 checksums in the meta)
+synchronously, and asynchronously (the time until ``save`` returns). For each:
+the first save's seconds, the median of the later ones, the process's CPU
+seconds per save (every thread: orbax's background writer too; on a small host
+they are taken from the training steps), and the programs jax built during the
+saves (``trjax.train.compilation.CompileLog``). ``--gap_s`` stands for the
 training steps an asynchronous write overlaps with.
 """
 import argparse
@@ -45,13 +45,7 @@ def main():
             meta=ocp.args.JsonSave({})), force=True)
         m.wait_until_finished()
 
-    def leaf_by_leaf_sync(m, st):
-        m.save(int(st.step), args=ocp.args.Composite(
-            state=ocp.args.StandardSave(checkpoint.host_copy(st)),
-            meta=ocp.args.JsonSave({})), force=True)
-        m.wait_until_finished()
-
-    def packed_sync(m, st):
+    def checkpoint_sync(m, st):
         checkpoint.save(m, st, {})
         checkpoint.finish(m)
 
@@ -60,9 +54,8 @@ def main():
         return r.ru_utime + r.ru_stime
 
     variants = {"device arrays, sync (before issue 14)": (False, device_arrays_sync),
-                "host copy leaf by leaf, sync (before packing)": (False, leaf_by_leaf_sync),
-                "host copy packed, sync": (False, packed_sync),
-                "host copy packed, async (until save returns)":
+                "checkpoint.save, sync": (False, checkpoint_sync),
+                "checkpoint.save, async (until save returns)":
                     (True, lambda m, st: checkpoint.save(m, st, {}))}
     import jax
     results = {"state_leaves": len(jax.tree_util.tree_leaves(state)),

@@ -5,8 +5,8 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # configs
 
 # LLVM at -O1 for the programs this process compiles. trjax's own CPU steps and state
-# initialisation compile at -O1 anyway, in users' runs too (trjax.aot.CPU_COMPILER_OPTIONS,
-# trjax.state.INIT_CPU_COMPILER_OPTIONS); this brings the tests' references and other
+# initialisation compile at -O1 anyway, in users' runs too (trjax.cpu.compile_options.STEP_OPTIONS,
+# INIT_OPTIONS); this brings the tests' references and other
 # programs to the same level (not the scripts the tests start, which drop these flags,
 # except the session's two dry runs, script_dry_runs below, and test_install's route A,
 # which loads their programs): the suite is dominated by compiling many

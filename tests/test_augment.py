@@ -76,3 +76,59 @@ def test_eval_crop_is_resize_shorter_side_then_center_crop():
     assert np.abs(out.astype(np.int64) - ref).max() <= 1
     solid = aug.eval_crop(Image.new("RGB", (30, 40), (255, 0, 128)), 16)
     assert (solid == [255, 0, 128]).all()
+
+
+# ---------------------------------------------------------------------------
+# Validation is never augmented, also when training augments.
+# ---------------------------------------------------------------------------
+
+
+def _augmented(split, batch) -> bool:
+    """Whether a batch of an in-memory split holds other pixels than its examples' own."""
+    real = batch["index"] >= 0
+    return not np.array_equal(batch["image"][real], split.images[batch["index"][real]])
+
+
+def test_validation_is_never_augmented_when_training_augments(tmp_path, monkeypatch):
+    """A run with config.augment=True: the training batches the loop asks for are
+    augmented, every validation batch holds its examples' stored pixels; and the check
+    sees an augmented validation batch for what it is (the last lines)."""
+    from helpers import small_config
+    from trjax.data import input_pipeline as ip
+    from trjax.train import train_and_evaluate
+    data, seen, real = ip.load_digits(), [], ip.iterate_batches
+
+    def spy(split, global_batch, **kw):
+        for batch in real(split, global_batch, **kw):
+            seen.append((split, kw.get("augment", False), batch))
+            yield batch
+    monkeypatch.setattr(ip, "iterate_batches", spy)
+    train_and_evaluate(small_config(augment=True, num_epochs=1), str(tmp_path), data=data)
+    train = [(a, b) for s, a, b in seen if s is data.train]
+    val = [(a, b) for s, a, b in seen if s is data.val]
+    assert len(train) == 12 and len(val) == 3 and len(seen) == 15  # 1437 / 128, 360 / 128
+    assert all(a for a, _ in train) and all(_augmented(data.train, b) for _, b in train)
+    assert not any(a for a, _ in val) and not any(_augmented(data.val, b) for _, b in val)
+    assert sum(b["mask"].sum() for _, b in val) == 360  # every val example, once
+    augmented_val = real(data.val, 128, shuffle=False, augment=True)
+    assert all(_augmented(data.val, b) for b in augmented_val)
+
+
+def test_image_folder_validation_rows_are_the_eval_crop(tmp_path):
+    """An on-demand source's unaugmented rows are eval_crop of each decoded file (never
+    train_crop's random box or flip), with workers=0 as the loop's evaluation asks."""
+    from trjax.data import imagefolder as imf
+    from trjax.data import input_pipeline as ip
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            (tmp_path / split / c).mkdir(parents=True)
+            for i in range(3):
+                gradient_image(30 + 7 * i, 20 + 5 * i).save(tmp_path / split / c / f"{i}.png")
+    val = imf.ImageFolder(tmp_path, "val")
+    batches = list(ip.iterate_batches(val, 4, shuffle=False, image_shape=(16, 16, 3)))
+    want = np.stack([aug.eval_crop(imf.decode(p), 16) for p in val.paths])
+    got = np.concatenate([b["image"][b["mask"] > 0] for b in batches])
+    np.testing.assert_array_equal(got, want)
+    trained = list(ip.iterate_batches(val, 4, shuffle=False, image_shape=(16, 16, 3),
+                                      augment=True))
+    assert not np.array_equal(np.concatenate([b["image"][b["mask"] > 0] for b in trained]), want)

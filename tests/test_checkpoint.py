@@ -1,5 +1,8 @@
-"""Checkpoints: exact resume, another device count, corrupt and incompatible checkpoints."""
+"""Checkpoints: exact resume, another device count, corrupt and incompatible checkpoints,
+the stored format (plain orbax pytrees, per-leaf checksums)."""
+import json
 import os
+import zlib
 
 import jax
 import numpy as np
@@ -8,7 +11,6 @@ import pytest
 from helpers import skip_train_step_compile, small_config, to_host
 from trjax.train import checkpoint, compilation
 from trjax.data import input_pipeline
-from trjax import packing
 from trjax.train import setup, train_and_evaluate
 
 
@@ -112,10 +114,14 @@ def test_incompatible_checkpoint_is_a_clear_error_before_compiling(tmp_path, mon
                                          r"'resnet20'; resume with the same values"):
         train_and_evaluate(small_config(num_epochs=1, model="resnet20", learning_rate=0.05),
                            str(tmp_path))
+    with pytest.raises(ValueError, match=r"learning_rate: 0.2 -> 0.1; resume with the same"):
+        train_and_evaluate(small_config(num_epochs=1, learning_rate=0.1), str(tmp_path))
+    saved = json.load(open(tmp_path / "config.json"))  # a refused resume leaves it as it was
+    assert saved["learning_rate"] == 0.2 and saved["model"] == "resnet8"
     # without config.json (a workdir from before it existed) the checkpoint's own record
     os.remove(tmp_path / "config.json")
     with pytest.raises(ValueError, match=r"checkpoint .*2 is incompatible with this config: "
-                                         r"model: checkpoint 'resnet8' vs config 'resnet20'"):
+                                         r"model: checkpoint 'resnet8' vs now 'resnet20'"):
         train_and_evaluate(small_config(num_epochs=1, model="resnet20"), str(tmp_path))
     assert (tmp_path / "checkpoints" / "2").exists()
 
@@ -129,7 +135,7 @@ def test_sync_saves_resume_bitwise_like_async(tmp_path):
     for d, st in (("async", a), ("sync", b)):
         mngr = checkpoint.manager(str(tmp_path / d / "checkpoints"))
         state, meta = checkpoint.restore_latest(mngr, st, {})
-        assert (meta["epoch"], meta["batch"]) == (1, 5) and checkpoint.LAYOUT_KEY in meta
+        assert (meta["epoch"], meta["batch"]) == (1, 5) and checkpoint.CHECKSUMS_KEY in meta
         assert _bits(state) == _bits(st)  # what was on the devices at the save, bit for bit
         restored.append(state)
     assert _bits(restored[0]) == _bits(restored[1])
@@ -208,7 +214,8 @@ def test_a_fresh_run_into_a_workdir_with_checkpoints_is_refused(tmp_path, monkey
     assert not compiled
     assert os.listdir(tmp_path / "checkpoints") == ["12"]
     assert (tmp_path / "metrics.jsonl").read_text() == '{"epoch": 1, "step": 12}\n'
-    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "metrics.jsonl"]
+    # the lock file stays (the kernel's flock, released; trjax.train.workdir)
+    assert sorted(set(os.listdir(tmp_path)) - {"trjax.lock"}) == ["checkpoints", "metrics.jsonl"]
 
 
 def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
@@ -219,9 +226,9 @@ def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
     from trjax import aot
     from trjax.state import TrainState
     from trjax.train import prepare
+    from trjax.train.trainer import checkpoint_keys
     cfg = small_config(bn_mode="local", num_epochs=1)
-    meta = {**{k: cfg[k] for k in checkpoint.COMPATIBLE_FIELDS},
-            **prepare(cfg).exchange.checkpoint_keys, "world_size": 8, "epoch": 1, "batch": 1}
+    meta = {**checkpoint_keys(prepare(cfg)), "world_size": 8, "epoch": 1, "batch": 1}
     one = np.ones((), np.int32)
     stand_in = TrainState(step=one, params={"w": np.ones(3, np.float32)}, batch_stats={},
                           opt_state={}, skipped_steps=one, loss_scale=np.float32(1),
@@ -231,7 +238,7 @@ def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
     checkpoint.finish(mngr)
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
     with pytest.raises(ValueError, match=r"incompatible with this config: world_size: "
-                                         r"checkpoint 8 vs config 4"):
+                                         r"checkpoint 8 vs now 4"):
         train_and_evaluate(small_config(bn_mode="local", num_epochs=1, devices="4"),
                            str(tmp_path))
     # the same world size passes this check (and would go on to restore)
@@ -241,11 +248,10 @@ def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("exchange", [dict(compression="powersgd")])  # ZeRO-1's shards: the
 def test_resume_may_switch_conv_lowering_with_bucket_shaped_state(exchange, tmp_path):  # same key
-    """conv_lowering may change on resume (loop_io.RESUME_MAY_CHANGE), but on CPU it picks
-    the "auto" bucket kernel order (xla: IHWO, im2col: HWIO), the layout of PowerSGD's
-    error feedback and of the ZeRO-1 shards, which the checkpoint records. "auto" keeps
-    the checkpoint's order: the resume runs, and lands where the same resume with the
-    run's own lowering does (the two lowerings differ by float rounding only)."""
+    """conv_lowering may change on resume (config.RESUME_MAY_CHANGE): the buckets, hence
+    PowerSGD's error feedback, are laid out the same under both lowerings, so the resume
+    runs and lands where the same resume with the run's own lowering does (the two
+    lowerings differ by float rounding only)."""
     import shutil
     cfg = dict(num_epochs=1, log_every_steps=0, **exchange)
     train_and_evaluate(small_config(conv_lowering="xla", halt_after_steps=2, **cfg),
@@ -256,51 +262,11 @@ def test_resume_may_switch_conv_lowering_with_bucket_shaped_state(exchange, tmp_
     same, _ = train_and_evaluate(small_config(conv_lowering="xla", halt_after_steps=4, **cfg),
                                  str(tmp_path / "b"))
     meta = checkpoint.newest_meta(checkpoint.manager(str(tmp_path / "a" / "checkpoints")))
-    assert meta[0].endswith("4") and meta[1]["bucket_kernel_order"] == "IHWO"
+    assert meta[0].endswith("4") and meta[1]["world_size"] == 8
     for name in ("params", "opt_state"):
         for a, b in zip(jax.tree_util.tree_leaves(to_host(getattr(switched, name))),
                         jax.tree_util.tree_leaves(to_host(getattr(same, name)))):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5, err_msg=name)
-    # an explicit order other than the checkpoint's is the meta check's error
-    with pytest.raises(ValueError, match=r"bucket_kernel_order: checkpoint 'IHWO' vs config "
-                                         r"'HWIO'"):
-        checkpoint.check_compatible(
-            checkpoint.manager(str(tmp_path / "a" / "checkpoints")),
-            {"bucket_kernel_order": "HWIO"})
-
-
-def test_pack_round_trips_every_leaf_bit_for_bit():
-    """pack/unpack against the leaves themselves: one flat array per dtype, offsets in leaf
-    order, empty dicts and None kept in place, 0-d, empty and bfloat16 leaves exact."""
-    import jax.numpy as jnp
-    rng = np.random.default_rng(0)
-    tree = {"params": {"conv": {"kernel": rng.normal(size=(3, 3, 2, 4)).astype(np.float32)},
-                       "bn": {"scale": rng.normal(size=4).astype(np.float32)}},
-            "step": np.int32(7), "loss_scale": np.float32(2.0 ** 15),
-            "half": rng.normal(size=(5,)).astype(jnp.bfloat16),
-            "nothing": np.zeros((0, 3), np.float32), "comm_state": {}, "spare": None,
-            "device": jax.device_put(np.arange(6, dtype=np.int32).reshape(2, 3))}
-    flat, layout = packing.pack(tree)
-    assert sorted(flat) == ["bfloat16", "float32", "int32"]
-    assert flat["float32"].size == 72 + 4 + 1 + 0 and flat["int32"].size == 1 + 6
-    assert [e[0] for e in layout][:2] == [["params", "conv", "kernel"], ["params", "bn", "scale"]]
-    assert layout[1][3] == 72  # the scale follows the 3*3*2*4 kernel elements
-    import json
-    layout = json.loads(json.dumps(layout))  # as it comes back from the meta item
-    back = packing.unpack(flat, layout)
-    want = jax.tree_util.tree_leaves_with_path(tree)
-    got = jax.tree_util.tree_leaves_with_path(back)
-    assert [p for p, _ in got] == [p for p, _ in want]
-    for (path, a), (_, b) in zip(want, got):
-        a = np.asarray(a)
-        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), path
-    assert back["comm_state"] == {} and back["spare"] is None
-    flat["float32"][0] += 1  # a copy: the inputs are untouched
-    assert flat["float32"][0] != tree["params"]["conv"]["kernel"].reshape(-1)[0]
-    with pytest.raises(packing.DamagedCheckpoint, match=r"the stored arrays \{'float32': "
-                                                    r"'float32\[74\]'.* are not the \{'float32': "
-                                                    r"'float32\[77\]'"):
-        packing.unpack({**flat, "float32": flat["float32"][:74]}, layout)
 
 
 def _stand_in(step=1, **params):
@@ -314,26 +280,79 @@ def _stand_in(step=1, **params):
                       skipped_steps=one, loss_scale=jax.device_put(np.float32(1)),
                       good_steps=one)
 
+def test_every_kind_of_leaf_round_trips_bit_for_bit(tmp_path):
+    """0-d, bfloat16, empty dicts, None and zero-size leaves (orbax refuses to store an empty
+    array: the state item holds None in its place, the meta its shape and dtype) come back
+    exact, of their shape and dtype, from restore_latest and from read."""
+    import jax.numpy as jnp
+    rng = np.random.default_rng(0)
+    state = _stand_in(step=3, kernel=rng.normal(size=(3, 3, 2, 4)).astype(np.float32),
+                      half=rng.normal(size=(5,)).astype(jnp.bfloat16),
+                      nothing=np.zeros((0, 3), np.float32), e=np.zeros((0, 4), np.int8))
+    assert state.batch_stats == {} and state.comm_state is None
+    d = str(tmp_path / "checkpoints")
+    mngr = checkpoint.manager(d)
+    checkpoint.save(mngr, state, {"epoch": 1, "batch": 3})
+    checkpoint.finish(mngr)
+    restored, meta = checkpoint.restore_latest(mngr, state, {})
+    assert meta[checkpoint.EMPTY_KEY] == {"params/nothing": [[0, 3], "float32"],
+                                          "params/e": [[0, 4], "int8"]}
+    assert restored.params["e"].shape == (0, 4) and restored.params["e"].dtype == np.int8
+    assert restored.batch_stats == {} and restored.comm_state is None
+    want = jax.tree_util.tree_leaves_with_path(to_host(state))
+    got = jax.tree_util.tree_leaves_with_path(to_host(restored))
+    assert [p for p, _ in got] == [p for p, _ in want]
+    for (path, a), (_, b) in zip(want, got):
+        assert (a.dtype, a.shape, a.tobytes()) == (b.dtype, b.shape, b.tobytes()), path
+    tree = checkpoint.read(d)[0]
+    assert (tree["params"]["e"].shape, tree["params"]["e"].dtype) == ((0, 4), np.int8)
+    assert tree["params"]["half"].dtype == jnp.bfloat16 and tree["comm_state"] is None
+    assert _bits(tree["params"]) == _bits(state.params)
 
-def test_saves_are_packed_and_read_by_name(tmp_path):
-    """What checkpoint.save writes: one array per dtype on disk and the layout in the meta;
-    checkpoint.read gives the state by name, bit for bit; a stored layout that does not fit
-    the run's state is an error naming the leaf and both shapes."""
+
+def test_a_checkpoint_restores_by_name_with_orbax_alone(tmp_path):
+    """The state item is flax's state dict of the train state, one array per leaf: orbax
+    restores it by name onto the devices, given the abstract state dict; the meta item
+    holds each leaf's zlib.crc32 under its '/'-joined path."""
+    import flax.serialization
     import orbax.checkpoint as ocp
     state = _stand_in(step=3)
     d = str(tmp_path / "checkpoints")
     mngr = checkpoint.manager(d)
     checkpoint.save(mngr, state, {"epoch": 1, "batch": 3})
     checkpoint.finish(mngr)
+    state_dict = flax.serialization.to_state_dict(state)
+    abstract = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state_dict)
+    got = ocp.CheckpointManager(d).restore(3, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+    restored, meta = got["state"], got["meta"]
+    assert sorted(restored) == sorted(state_dict)
+    assert sorted(restored["params"]) == ["b", "w"] and sorted(restored["opt_state"]) == ["mu"]
+    assert isinstance(restored["params"]["w"], jax.Array)
+    assert restored["params"]["w"].sharding == state.params["w"].sharding
+    assert _bits(restored) == _bits(state_dict) and int(restored["step"]) == 3
+    assert meta["batch"] == 3 and meta[checkpoint.CHECKSUMS_KEY]["params/w"] == \
+        zlib.crc32(np.asarray(state.params["w"]).tobytes())
+    assert sorted(meta[checkpoint.CHECKSUMS_KEY]) == [
+        "good_steps", "loss_scale", "opt_state/mu", "params/b", "params/w", "skipped_steps",
+        "step"]
+
+
+def test_saves_are_read_by_name_and_checked_against_the_run(tmp_path):
+    """checkpoint.read gives the state by name, bit for bit; a stored state that does not
+    fit the run's is an error naming the leaf and both shapes (not a fall-back)."""
+    state = _stand_in(step=3)
+    d = str(tmp_path / "checkpoints")
+    mngr = checkpoint.manager(d)
+    checkpoint.save(mngr, state, {"epoch": 1, "batch": 3})
+    checkpoint.finish(mngr)
     tree, meta = checkpoint.read(d)
-    layout = meta[checkpoint.LAYOUT_KEY]  # every array leaf, and the empty nodes
-    assert meta["batch"] == 3 and \
-        sum(shape is not None for _, shape, _, _ in layout) == len(jax.tree_util.tree_leaves(state))
+    assert meta["batch"] == 3 and len(meta[checkpoint.CHECKSUMS_KEY]) == \
+        len(jax.tree_util.tree_leaves(state))
     assert _bits(tree["params"]) == _bits(state.params)
     assert _bits(tree["opt_state"]) == _bits(state.opt_state) and int(tree["step"]) == 3
-    stored = ocp.CheckpointManager(d).restore(3, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore()))["state"]
-    assert sorted(stored) == ["float32", "int32"]  # not a leaf each
+    assert all(isinstance(x, np.ndarray) for x in jax.tree_util.tree_leaves(tree))
     with pytest.raises(FileNotFoundError, match=r"no checkpoint 5 in .* \(steps there: \[3\]\)"):
         checkpoint.read(d, step=5)
     wider = _stand_in(w=np.zeros(4, np.float32), b=np.float32(0))
@@ -355,16 +374,16 @@ def test_saves_are_packed_and_read_by_name(tmp_path):
         checkpoint.restore_latest(mngr, _stand_in(), {})
 
 
-def test_leaf_by_leaf_checkpoints_still_restore(tmp_path):
-    """A checkpoint written before the packing (a state dict of leaves, no layout in the
-    meta) restores as before, and reads by name."""
+def test_a_checkpoint_without_checksums_restores(tmp_path):
+    """A checkpoint whose meta has no checksums (the device arrays several processes save,
+    trjax before the checksums: orbax's state dict of leaves) restores, and reads by name."""
     import orbax.checkpoint as ocp
     state = _stand_in(step=2)
     mngr = checkpoint.manager(str(tmp_path / "old"), asynchronous=False)
     mngr.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave(checkpoint.host_copy(state)),
                                          meta=ocp.args.JsonSave({"epoch": 1, "batch": 2})))
     restored, meta = checkpoint.restore_latest(mngr, state, {})
-    assert checkpoint.LAYOUT_KEY not in meta and _bits(restored) == _bits(state)
+    assert checkpoint.CHECKSUMS_KEY not in meta and _bits(restored) == _bits(state)
     assert _bits(checkpoint.read(str(tmp_path / "old"))[0]["params"]) == _bits(state.params)
 
 
@@ -410,76 +429,53 @@ def test_async_save_hands_orbax_call_to_its_thread(tmp_path, monkeypatch):
     assert int(restored.step) == 1 and meta["batch"] == 0
     assert not checkpoint.manager(str(tmp_path / "sync"), asynchronous=False).handoff
 
-
-def _edit_w(entry):
-    return {"overlap": lambda e: e.__setitem__(3, 1),  # w read from b's place: wrong values
-            "gap": lambda e: e.__setitem__(1, [2]),  # w shorter: b read from w's last value
-            "beyond": lambda e: e.__setitem__(3, 100), "negative": lambda e: e.__setitem__(3, -2),
-            "dtype": lambda e: e.__setitem__(2, "float16"),
-            "fraction": lambda e: e.__setitem__(3, 1.5),
-            "unknown dtype": lambda e: e.__setitem__(2, "float33")}[entry]
-
-
-@pytest.mark.parametrize("damage", ["overlap", "gap", "beyond", "negative", "dtype", "fraction",
-                                    "unknown dtype", "missing leaf", "duplicate leaf"])
-def test_edited_layout_falls_back_to_the_previous_checkpoint(tmp_path, damage):
-    """A packed checkpoint whose meta's layout was edited or damaged is unreadable (never
-    restored with wrong values, never mistaken for another model): the run falls back to
-    the previous checkpoint, bit for bit; checkpoint.read names the damage."""
-    import json
-    d = str(tmp_path / "checkpoints")
+def _two_checkpoints(d, size=3):
+    """Steps 1 and 2 of stand-in states in ``d``; returns the state saved at step 1."""
+    rng = np.random.default_rng(0)
     mngr = checkpoint.manager(d)
-    old = _stand_in(step=1, w=np.arange(3, dtype=np.float32), b=np.float32(0.5))
-    new = _stand_in(step=2, w=np.arange(3, dtype=np.float32) + 10, b=np.float32(7))
+    old = _stand_in(step=1, w=rng.normal(size=size).astype(np.float32), b=np.float32(0.5))
+    new = _stand_in(step=2, w=rng.normal(size=size).astype(np.float32), b=np.float32(7))
     checkpoint.save(mngr, old, {"epoch": 1, "batch": 1})
     checkpoint.save(mngr, new, {"epoch": 1, "batch": 2})
     checkpoint.finish(mngr)
-    path = os.path.join(d, "2", "meta", "metadata")
-    meta = json.load(open(path))
-    layout = meta[checkpoint.LAYOUT_KEY]
-    w = [e for e in layout if e[0] == ["params", "w"]][0]
-    if damage == "missing leaf":
-        layout.remove(w)
-    elif damage == "duplicate leaf":
-        layout.append(list(w))
-    else:
-        _edit_w(damage)(w)
-    json.dump(meta, open(path, "w"))
-    with pytest.raises(packing.DamagedCheckpoint, match="packed state: .*(layout|offset)"):
-        checkpoint.read(d)
+    return old, new
+
+
+def _falls_back_to(d, old):
     log = []
     restored, meta = checkpoint.restore_latest(checkpoint.manager(d), old, {}, log=log.append)
     assert int(restored.step) == 1 and meta["batch"] == 1 and _bits(restored) == _bits(old)
-    assert "checkpoint " + os.path.join(d, "2") + " is unreadable (DamagedCheckpoint" in log[0]
+    return log
 
 
-def test_unpack_takes_only_the_arrays_its_layout_describes():
-    """Flat arrays longer, shorter or other than the layout's (a damaged state item) are
-    an error: a leaf is never read from bytes pack did not write there."""
-    flat, layout = packing.pack({"a": np.arange(3, dtype=np.float32), "n": np.int32(4)})
-    assert packing.check_layout(layout) == {"float32": 3, "int32": 1}
-    for bad in ({**flat, "float32": np.zeros(4, np.float32)}, {"float32": flat["float32"]},
-                {**flat, "float64": np.zeros(1)},
-                {**flat, "int32": flat["int32"].view(np.float32)}):
-        with pytest.raises(packing.DamagedCheckpoint, match=r"the stored arrays .* are not the "):
-            packing.unpack(bad, layout)
-
-
-def test_a_dtype_of_empty_leaves_only_saves_and_restores(tmp_path):
-    """A dtype whose every leaf is empty has no flat array (orbax refuses zero-size arrays:
-    the save failed): its leaves come back empty, of their shape and dtype."""
-    state = _stand_in(step=3, w=np.arange(3, dtype=np.float32), e=np.zeros((0, 4), np.int8))
-    flat, layout = packing.pack(checkpoint.host_copy(state))
-    assert sorted(flat) == ["float32", "int32"] and ["params", "e"] in [e[0] for e in layout]
+@pytest.mark.parametrize("damage", ["changed", "missing leaf", "extra leaf", "not a dict",
+                                    "empty leaf"])
+def test_edited_checksums_fall_back_to_the_previous_checkpoint(tmp_path, damage):
+    """A checkpoint whose meta's checksums were edited or damaged is unreadable (never
+    restored unchecked, never mistaken for another model): the run falls back to the
+    previous checkpoint, bit for bit; checkpoint.read names the damage. So does a zero-size
+    leaf (meta: its shape and dtype) named where the state item stores an array."""
     d = str(tmp_path / "checkpoints")
-    mngr = checkpoint.manager(d)
-    checkpoint.save(mngr, state, {"epoch": 1, "batch": 3})
-    checkpoint.finish(mngr)
-    restored, _ = checkpoint.restore_latest(mngr, state, {})
-    assert restored.params["e"].shape == (0, 4) and restored.params["e"].dtype == np.int8
-    assert _bits(restored) == _bits(state)
-    e = checkpoint.read(d)[0]["params"]["e"]
-    assert (e.shape, e.dtype) == ((0, 4), np.int8)
+    old, _ = _two_checkpoints(d)
+    path = os.path.join(d, "2", "meta", "metadata")
+    meta = json.load(open(path))
+    sums = meta[checkpoint.CHECKSUMS_KEY]
+    if damage == "changed":
+        sums["params/w"] ^= 1
+    elif damage == "missing leaf":
+        del sums["params/w"]
+    elif damage == "extra leaf":
+        sums["params/v"] = 0
+    elif damage == "not a dict":
+        meta[checkpoint.CHECKSUMS_KEY] = list(sums.values())
+    else:
+        meta[checkpoint.EMPTY_KEY] = {"params/w": [[0], "float32"]}
+    json.dump(meta, open(path, "w"))
+    with pytest.raises(checkpoint.DamagedCheckpoint, match=r"checkpoint .*2: .*a damaged "
+                                                           r"checkpoint"):
+        checkpoint.read(d)
+    log = _falls_back_to(d, old)
+    assert "checkpoint " + os.path.join(d, "2") + " is unreadable (DamagedCheckpoint" in log[0]
 
 
 def test_an_interrupted_wait_keeps_the_handed_off_save_pending(tmp_path, monkeypatch):
@@ -516,41 +512,58 @@ def test_an_interrupted_wait_keeps_the_handed_off_save_pending(tmp_path, monkeyp
     assert mngr.pending is None and mngr.all_steps() == [5]
     assert int(checkpoint.read(str(tmp_path))[0]["step"]) == 5
 
-
 def test_a_flipped_bit_in_the_stored_state_falls_back(tmp_path):
-    """One flipped bit in the stored flat array (the largest file of the state item) was
-    restored as another value without an error (its chunks carry no checksum): the
-    checksums in the meta make that checkpoint unreadable; the run falls back, bit for bit."""
+    """One flipped bit in a stored array (the largest file of the state item) was restored
+    as another value without an error (its chunks carry no checksum): the checksums in the
+    meta make that checkpoint unreadable; the run falls back, bit for bit."""
     d = str(tmp_path / "checkpoints")
-    mngr = checkpoint.manager(d)
-    rng = np.random.default_rng(0)
-    old = _stand_in(step=1, w=rng.normal(size=20000).astype(np.float32), b=np.float32(0.5))
-    new = _stand_in(step=2, w=rng.normal(size=20000).astype(np.float32), b=np.float32(7))
-    checkpoint.save(mngr, old, {"epoch": 1, "batch": 1})
-    checkpoint.save(mngr, new, {"epoch": 1, "batch": 2})
-    checkpoint.finish(mngr)
+    old, new = _two_checkpoints(d, size=20000)
     sums = checkpoint.read(d)[1][checkpoint.CHECKSUMS_KEY]
-    import flax.serialization
-    flat, _ = packing.pack(flax.serialization.to_state_dict(new))  # as save packs it
-    assert sums == packing.checksums(flat) and sorted(sums) == ["float32", "int32"]
+    assert sums == checkpoint.checksums(checkpoint.host_copy(new))  # as save took them
     files = [os.path.join(r, f) for r, _, fs in os.walk(os.path.join(d, "2", "state")) for f in fs]
     data = max(files, key=os.path.getsize)
     assert os.path.getsize(data) > 40000  # the 80 kB of w (compressed): the values themselves
     raw = bytearray(open(data, "rb").read())
     raw[len(raw) // 2] ^= 0x10
     open(data, "wb").write(bytes(raw))
-    log = []
-    restored, meta = checkpoint.restore_latest(checkpoint.manager(d), old, {}, log=log.append)
-    assert int(restored.step) == 1 and _bits(restored) == _bits(old)
+    log = _falls_back_to(d, old)
     assert "checkpoint " + os.path.join(d, "2") + " is unreadable" in log[0]
 
 
-def test_unpack_checks_the_arrays_bytes_against_their_checksums():
-    flat, layout = packing.pack({"a": np.arange(3, dtype=np.float32), "n": np.int32(4)})
-    sums = packing.checksums(flat)
-    assert packing.unpack(flat, layout, sums)["a"].tolist() == [0, 1, 2]
-    flat["float32"][1] = np.nextafter(np.float32(1), np.float32(2))  # one ulp: one bit
-    with pytest.raises(packing.DamagedCheckpoint, match=r"the stored float32 array's bytes are "
-                                                        r"not those saved \(checksum"):
-        packing.unpack(flat, layout, sums)
-    assert packing.unpack(flat, layout)["a"][1] > 1  # no sums (older checkpoints): not checked
+def test_checksums_are_each_leafs_crc32_by_path():
+    tree = {"a": np.arange(3, dtype=np.float32), "n": {"m": np.int32(4)}, "e": {}, "z": None,
+            "d": jax.device_put(np.arange(4, dtype=np.int8).reshape(2, 2))}
+    sums = checkpoint.checksums(tree)
+    assert sums == {"a": zlib.crc32(tree["a"].tobytes()), "n/m": zlib.crc32(np.int32(4).tobytes()),
+                    "d": zlib.crc32(bytes([0, 1, 2, 3]))}
+    tree["a"][1] = np.nextafter(np.float32(1), np.float32(2))  # one ulp: one bit
+    changed = checkpoint.checksums(tree)
+    assert changed["a"] != sums["a"] and {**changed, "a": sums["a"]} == sums
+
+
+def test_a_checkpoint_in_the_packed_format_is_a_clear_error(tmp_path):
+    """A checkpoint in trjax's former packed format (one flat array per dtype, the layout in
+    the meta under "state_layout") is an error naming the format and the way out, from
+    restore_latest (not reported unreadable, no fall-back to the older checkpoint),
+    check_compatible (before compiling) and read; nothing is moved."""
+    import orbax.checkpoint as ocp
+    d = str(tmp_path / "checkpoints")
+    mngr = checkpoint.manager(d, asynchronous=False)
+    checkpoint.save(mngr, _stand_in(step=1), {"epoch": 1, "batch": 1})  # a readable older one
+    layout = [[["params", "w"], [3], "float32", 0]]
+    mngr.save(2, args=ocp.args.Composite(
+        state=ocp.args.StandardSave({"float32": np.zeros(3, np.float32)}),
+        meta=ocp.args.JsonSave({"epoch": 1, "batch": 2, "state_layout": layout})))
+    mngr.wait_until_finished()
+    message = (r"checkpoint .*2 is in trjax's packed format \(trjax < 0.2, meta "
+               r"'state_layout'\); this trjax reads plain orbax pytrees: resume it with the "
+               r"trjax that wrote it, or start a new workdir")
+    log = []
+    with pytest.raises(ValueError, match=message):
+        checkpoint.restore_latest(mngr, _stand_in(), {}, log=log.append)
+    assert log == []
+    with pytest.raises(ValueError, match=message):
+        checkpoint.check_compatible(mngr, {})
+    with pytest.raises(ValueError, match=message):
+        checkpoint.read(d)
+    assert sorted(os.listdir(d)) == ["1", "2"]

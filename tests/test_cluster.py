@@ -1,6 +1,7 @@
 """Safe multi-process start: a launcher's environment starts ONE run (fake SLURM,
 Open MPI and JAX_COORDINATOR_ADDRESS variables), and one live run per workdir
-(a lock file with host and pid; two local processes)."""
+(an flock on WORKDIR/trjax.lock; a second real process, also in another PID namespace)."""
+import fcntl
 import json
 import os
 import re
@@ -113,7 +114,7 @@ def test_fake_srun_starts_one_run_of_two_processes(tmp_path):
     assert re.search(r"world_size=4 devices=\[.*\] \(cpu, 2 process\(es\)\)", logs[0])
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["process_count"] == 2 and summary["world_size"] == 4 and summary["steps"] == 2
-    assert not (tmp_path / LOCK_NAME).exists()  # released at the end
+    assert _free(tmp_path)  # released at the end
 
 
 HOLDER = """
@@ -125,71 +126,130 @@ time.sleep(120)
 """
 
 
-def test_second_writer_is_refused_while_the_first_lives(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], cwd=ROOT,
+def _free(workdir) -> bool:
+    """Whether nobody holds the workdir's lock (taken and given back here) and its note
+    is cleared."""
+    with WorkdirLock(str(workdir)) as lock:
+        assert lock.held
+    return (workdir / LOCK_NAME).read_bytes() == b""
+
+
+def _start_holder(workdir, *prefix):
+    holder = subprocess.Popen([*prefix, sys.executable, "-c", HOLDER, str(workdir)], cwd=ROOT,
                               stdout=subprocess.PIPE, text=True, env=_env(PYTHONPATH=ROOT))
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_second_writer_is_refused_while_the_first_lives(tmp_path):
+    holder = _start_holder(tmp_path)
     try:
-        assert holder.stdout.readline().strip() == "held"
-        lock = json.loads((tmp_path / LOCK_NAME).read_text())
-        assert lock["pid"] == holder.pid and lock["host"] == socket.gethostname()
-        with pytest.raises(WorkdirBusy,
-                           match=rf"held by a live run \(pid {holder.pid} on this host"):
+        note = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert (note["pid"], note["host"]) == (holder.pid, socket.gethostname())
+        assert note["command"] == f"-c {tmp_path}"  # python -c's argv
+        with pytest.raises(WorkdirBusy, match="^" + re.escape(
+                f"workdir '{tmp_path}' is in use by pid {holder.pid} on host "
+                f"{socket.gethostname()} since {note['started']}; wait for it or use another "
+                f"--workdir (its command: -c {tmp_path})")):
             WorkdirLock(str(tmp_path)).acquire()
-        t0 = time.monotonic()
+        t0 = time.monotonic()  # a real second process: scripts/train.py
         out = subprocess.run([sys.executable, *TRAIN, "--workdir", str(tmp_path)],
                              capture_output=True, text=True, timeout=120, env=_env())
         assert out.returncode == 1, out.stdout[-1000:] + out.stderr[-2000:]
-        assert f"error: workdir {str(tmp_path)!r} is held by a live run (pid {holder.pid}" \
-            in out.stderr
+        assert f"error: workdir {str(tmp_path)!r} is in use by pid {holder.pid} on host " \
+            f"{socket.gethostname()} since " in out.stderr
         assert "compile" not in out.stdout  # refused before anything was built
         assert time.monotonic() - t0 < 60
         assert sorted(os.listdir(tmp_path)) == [LOCK_NAME]
+        assert json.loads((tmp_path / LOCK_NAME).read_text()) == note  # nothing written
+    finally:
+        holder.kill()  # SIGKILL: no release, no clean-up
+        holder.wait()
+    # the kernel dropped the dead holder's lock: taken at once, its note replaced
+    lock = WorkdirLock(str(tmp_path), log=pytest.fail).acquire()
+    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
+    again = WorkdirLock(str(tmp_path)).acquire()  # this process may take it again
+    assert again.held
+    again.release()  # the nested one leaves the lock to the first
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR)  # a real flock: another open file of
+    with pytest.raises(BlockingIOError):  # this process is refused too
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+    lock.release()
+    assert _free(tmp_path)
+
+
+def _unshare_pid():
+    cmd = ["unshare", "--pid", "--fork", "--kill-child", "--map-root-user"]
+    try:
+        ok = subprocess.run([*cmd, "true"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        ok = False
+    if not ok:
+        pytest.skip("no unshare --pid --map-root-user here")
+    return cmd
+
+
+def test_a_holder_in_another_pid_namespace_is_seen(tmp_path):
+    """The field failure: a holder in a container's PID namespace writes its own pid (1
+    there), which is another, live process here; its lock still refuses a second run."""
+    holder = _start_holder(tmp_path, *_unshare_pid())
+    try:
+        note = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert note["pid"] == 1  # the namespace's first process
+        with pytest.raises(WorkdirBusy, match=r"is in use by pid 1 on host "):
+            WorkdirLock(str(tmp_path)).acquire()
     finally:
         holder.kill()
         holder.wait()
-    # the holder died (killed: no release): its lock is stale and is taken over
-    msgs = []
-    lock = WorkdirLock(str(tmp_path), log=msgs.append).acquire()
-    assert len(msgs) == 1 and f"no longer running (pid {holder.pid}" in msgs[0]
-    assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == os.getpid()
-    assert WorkdirLock(str(tmp_path)).acquire().held  # the holder may take it again
-    lock.release()
-    assert not (tmp_path / LOCK_NAME).exists()
+    deadline = time.monotonic() + 30  # --kill-child: the namespace ends with unshare
+    while time.monotonic() < deadline:
+        try:
+            assert _free(tmp_path)
+            break
+        except WorkdirBusy:
+            time.sleep(0.1)
+    else:
+        pytest.fail("the lock outlived its holder's namespace")
 
 
-def test_lock_of_another_host_or_a_recycled_pid(tmp_path):
+@pytest.mark.parametrize("content", ["", "garbage{{", "[1, 2]",
+                                     '{"host": "node-b", "pid": 17, "started": "yesterday"}'])
+def test_a_lock_file_nobody_holds_is_taken_whatever_it_says(tmp_path, content):
+    """No stale-lock judgement: a note left by a killed run (any host, any pid) or any
+    other content is no lock; only a live flock is."""
     path = tmp_path / LOCK_NAME
-    path.write_text(json.dumps({"host": "node-b", "pid": 17, "started": "yesterday"}))
-    with pytest.raises(WorkdirBusy, match=r"held by a run on host 'node-b' .*delete .*trjax.lock"):
-        WorkdirLock(str(tmp_path)).acquire()
-    # our parent's pid is alive, but with another start time it is another process
-    path.write_text(json.dumps({"host": socket.gethostname(), "pid": os.getppid(),
-                                "start": "1", "started": "long ago"}))
-    msgs = []
-    with WorkdirLock(str(tmp_path), log=msgs.append):
-        assert "no longer running" in msgs[0]
-    assert not path.exists()
-    path.write_text(json.dumps({"host": socket.gethostname()}))  # no pid: never "all processes"
-    with WorkdirLock(str(tmp_path), log=msgs.append):
-        assert "no longer running (pid None" in msgs[1]
-    fresh = tmp_path / "new"  # a lock in a new workdir that was never written leaves nothing
+    path.write_text(content)
+    with WorkdirLock(str(tmp_path), log=pytest.fail) as lock:
+        assert lock.held and json.loads(path.read_text())["pid"] == os.getpid()
+    assert path.read_bytes() == b""  # the file stays: removing it could let two runs lock two
+    fresh = tmp_path / "new"  # a new workdir is made
     with WorkdirLock(str(fresh)):
         assert fresh.is_dir()
-    assert not fresh.exists()
+    assert os.listdir(fresh) == [LOCK_NAME]
 
 
-@pytest.mark.parametrize("content", ["", "garbage{{", "[1, 2]", '{"host": "h", "pid": "abc"}',
-                                     "a folder"])
-def test_a_lock_trjax_did_not_write_is_named_not_misread(tmp_path, content):
+@pytest.mark.parametrize("note", ["", "garbage{{"])
+def test_a_holder_whose_note_cannot_be_read_is_still_refused(tmp_path, note):
     path = tmp_path / LOCK_NAME
-    if content == "a folder":
-        path.mkdir()
-    else:
-        path.write_text(content)
-    with pytest.raises(WorkdirBusy, match=r"trjax.lock is not a lock trjax can read .*if no run "
-                                          r"uses this workdir, delete it"):
+    path.write_text(note)
+    fd = os.open(path, os.O_RDWR)  # a holder (another open file) with that note
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        why = "it is empty" if not note else "it is not a note trjax wrote"
+        with pytest.raises(WorkdirBusy, match=rf"is in use by another process \(its note in "
+                                              rf".*trjax.lock cannot be read: {why}\); wait"):
+            WorkdirLock(str(tmp_path)).acquire()
+    finally:
+        os.close(fd)
+    assert path.read_text() == note  # a refused lock changes nothing
+
+
+def test_a_lock_path_that_is_a_folder_is_a_clear_error(tmp_path):
+    from trjax.train.workdir import WorkdirError
+    (tmp_path / LOCK_NAME).mkdir()
+    with pytest.raises(WorkdirError, match=r"cannot be used: Is a directory \(.*trjax.lock\)"):
         WorkdirLock(str(tmp_path)).acquire()
-    assert path.exists()  # nothing removed: the user decides
 
 
 def test_a_workdir_that_cannot_be_a_folder_is_a_clear_error(tmp_path):

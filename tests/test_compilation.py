@@ -2,6 +2,8 @@
 import functools
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import jax
@@ -23,9 +25,9 @@ def _fresh_compile(x):
 
 
 def test_program_key_matches_event_and_module_names():
-    assert compilation.program_key("jit(<lambda>)") == compilation.program_key("jit__lambda")
-    assert compilation.program_key("jit(local_step)") == "jit_local_step"
-    assert compilation.program_key("jit(local_step)") != compilation.program_key("jit(local_fold)")
+    assert compilation.program_id("jit(<lambda>)") == compilation.program_id("jit__lambda")
+    assert compilation.program_id("jit(local_step)") == "jit_local_step"
+    assert compilation.program_id("jit(local_step)") != compilation.program_id("jit(local_fold)")
 
 
 def test_default_cache_dir_follows_xdg(monkeypatch, tmp_path):
@@ -65,6 +67,45 @@ def test_cache_miss_then_hit_filed_by_phase_and_thread(tmp_path, restore_jax_cac
     with compilation.CompileLog() as off:
         _fresh_compile(x)  # in the cache, but the cache is off: compiled
     assert [b.cache for b in off.builds] == ["off"] and compilation.cache_dir() is None
+
+
+ONE_PROGRAM = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from trjax.train import compilation
+compilation.configure_cache(True, sys.argv[1])
+with compilation.CompileLog() as log:
+    jax.jit(lambda v: jnp.sin(v) * 3.0 + 1.0).lower(np.arange(7, dtype=np.float32)).compile()
+print(json.dumps(log.cache_summary()))
+"""
+
+
+def test_a_damaged_cache_entry_is_written_again_and_counted(tmp_path):
+    """The field failure: a truncated entry (a process killed while jax wrote it) that jax
+    cannot load, while its file exists, so jax's file cache never replaced it and every
+    start compiled again. Three fresh processes on one cache: fill, repair, hit."""
+    cache = tmp_path / "xla"
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", ONE_PROGRAM, str(cache)], cwd=root,
+                             capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=root))
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.splitlines()[-1]), out.stderr
+
+    first, _ = run()
+    assert (first["misses"], first["writes"], first["damaged"]) == (1, 1, 0)
+    (entry,) = [p for p in cache.iterdir() if p.name.endswith("-cache")]
+    whole = entry.read_bytes()
+    entry.write_bytes(whole[:len(whole) // 2])
+    second, err = run()
+    assert "Error reading persistent compilation cache entry" in err  # jax's warning
+    assert (second["hits"], second["misses"], second["writes"], second["damaged"]) == \
+        (0, 1, 1, 1)
+    assert len(entry.read_bytes()) > len(whole) // 2  # written again (the third run loads it)
+    third, err = run()
+    assert (third["hits"], third["misses"], third["damaged"]) == (1, 0, 0), err[-2000:]
 
 
 def test_configure_cache_rejects_bad_values():
@@ -164,7 +205,7 @@ def test_train_state_is_one_program_with_rank0_bits(bn_mode, shard):
           if shard else exchange.allreduce(optim.make_optimizer("sgd", 0.1, plan), plan))
     with compilation.CompileLog() as log:
         state = create_train_state(7, model, ex, world, (8, 8, 1), bn_mode, loss_scale=2.0)
-    assert [compilation.program_key(b.program) for b in log.builds] == ["jit_create"]
+    assert [compilation.program_id(b.program) for b in log.builds] == ["jit_create"]
 
     rank0 = jax.random.fold_in(jax.random.key(7), 0)
     ref = jax.jit(lambda k: model.init(k, jnp.zeros((1, 8, 8, 1)), train=False))(rank0)
@@ -182,7 +223,7 @@ def test_train_state_is_one_program_with_rank0_bits(bn_mode, shard):
     def laid_out(spec, sub):  # every leaf as state_specs says (a pytree prefix)
         for x in jax.tree_util.tree_leaves(sub):
             assert x.sharding.is_equivalent_to(jax.sharding.NamedSharding(world.mesh, spec), x.ndim)
-    jax.tree_util.tree_map(laid_out, state_specs(bn_mode, ex), state,
+    jax.tree_util.tree_map(laid_out, state_specs(bn_mode, world.axis_name, ex), state,
                            is_leaf=lambda s: isinstance(s, P))
     assert all(not np.any(np.asarray(x)) for x in jax.tree_util.tree_leaves(state.opt_state)
                if x.ndim)  # momentum starts at zero

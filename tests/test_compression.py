@@ -249,13 +249,13 @@ def test_per_layer_powersgd_exchange_carries_its_error_feedback_over_steps():
     from trjax import exchange, models
     from trjax.metrics import METRICS
     from trjax.plan import build_plan, layer_matrices
-    from trjax.world import DATA_AXIS, make_world
+    from trjax.world import make_world
     import optax
 
     n_dev, steps = 8, 12
     world = make_world("all", 8 * n_dev)
     model = models.create_model("resnet8", stage_sizes=(1,), widths=(8,), stem_width=8,
-                                bn_mode="sync", axis_name=DATA_AXIS)
+                                bn_mode="sync", axis_name=world.axis_name)
     plan = build_plan(model, (8, 8, 1), "two", "HWIO")
     make = lambda b: C.powersgd(1, layer_matrices(plan, b))
     per_bucket = exchange.exact_below(plan, make, 0.05)
@@ -265,15 +265,15 @@ def test_per_layer_powersgd_exchange_carries_its_error_feedback_over_steps():
                                                train=False)["params"])
     params = jax.tree_util.tree_map(lambda s: world.put(np.zeros(s.shape, s.dtype)), shapes)
     opt_state, comm_state = ex.init(params, world)
-    opt_specs, comm_specs = ex.specs()
+    opt_specs, comm_specs = ex.specs(world.axis_name)
 
     def local(bufs, params, opt_state, comm_state):
         up = ex.update({b: v[0] for b, v in bufs.items()}, params, opt_state, comm_state,
-                       jnp.int32(0), None)
+                       jnp.int32(0), None, world.axis_name)
         return up.params, up.opt_state, up.comm_state
 
     f = jax.jit(jax.shard_map(local, mesh=world.mesh,
-                              in_specs=(P(DATA_AXIS), P(), opt_specs, comm_specs),
+                              in_specs=(P(world.axis_name), P(), opt_specs, comm_specs),
                               out_specs=(P(), opt_specs, comm_specs), check_vma=False))
     mb, mo = plan.metrics_slot
     count = METRICS.index("count")

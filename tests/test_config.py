@@ -49,3 +49,67 @@ def test_every_float_key_takes_a_fraction_on_the_command_line(monkeypatch):
         values(argv)
         for key in config_lib.FLOAT_RANGES:
             assert config_lib._get(values.config, key) == 0.5, (name, key)
+
+
+def _flat_keys(c, prefix=""):
+    for k, v in c.items():
+        if hasattr(v, "items"):
+            yield from _flat_keys(v, f"{prefix}{k}.")
+        else:
+            yield prefix + k
+
+
+def test_the_key_table_covers_every_key_of_every_config():
+    for name in ("default.py", "cifar10_resnet20.py", "imagenet_resnet50.py"):
+        c = config_lib.load_config_file(os.path.join(REPO, "configs", name))
+        assert set(_flat_keys(c)) == set(config_lib.KEYS), name
+
+
+def test_the_lists_read_from_the_table():
+    keys = config_lib.KEYS
+    assert set(config_lib.CHECKPOINT_KEYS) == {k for k, v in keys.items() if v.checkpoint}
+    assert "seed" in config_lib.CHECKPOINT_KEYS and "num_epochs" not in config_lib.CHECKPOINT_KEYS
+    assert "num_epochs" in config_lib.RESUME_MAY_CHANGE and "distributed" in \
+        config_lib.RESUME_MAY_CHANGE and "learning_rate" not in config_lib.RESUME_MAY_CHANGE
+    # a key that must match the checkpoint never changes freely on resume
+    assert not [k for k, v in keys.items() if v.checkpoint and v.resume]
+
+
+def test_keys_outside_the_programs_leave_the_lowered_train_step_unchanged():
+    """Every key the table says enters no compiled program, all changed at once: the
+    train step lowers to the same text (the table's ``program`` column is checked, not
+    trusted)."""
+    import jax
+    from helpers import small_config
+    from trjax import steps
+    from trjax.state import train_state_program
+    from trjax.train import trainer
+
+    changed = dict(checkpoint_async=False, checkpoint_every_steps=5, compilation_cache=False,
+                   compilation_cache_dir="/elsewhere", data_workers=0, halt_after_steps=3,
+                   halt_on_nonfinite=True, keep_checkpoints=1, log_every_steps=0,
+                   max_consecutive_overflows=2, metrics_lag=2, preemption_check_every_steps=7,
+                   prefetch=0, profile_steps="1:2", progress=False, resume=False,
+                   skip_bad_images=True, step_timeout_s=60.0, tensorboard=False,
+                   verify_images=True)
+    outside = set(config_lib.OUTSIDE_PROGRAMS)
+    # data_dir: digits reads no folder; distributed.*: set below
+    assert set(changed) == outside - {"data_dir"} - {k for k in outside if "." in k}
+    other = small_config(**changed)
+    other.distributed.coordinator = "localhost:1234"
+    other.distributed.heartbeat_timeout_s = 5
+
+    def lowered(cfg):
+        tr = trainer.prepare(cfg)
+        init = train_state_program(cfg.seed, tr.model, tr.exchange, tr.world,
+                                   tr.data.image_shape, cfg.bn_mode)
+        n = tr.world.global_batch_size
+        batch = {"image": jax.ShapeDtypeStruct((n,) + tr.data.image_shape, "uint8",
+                                               sharding=tr.world.sharded()),
+                 "label": jax.ShapeDtypeStruct((n,), "int32", sharding=tr.world.sharded()),
+                 "mask": jax.ShapeDtypeStruct((n,), "float32", sharding=tr.world.sharded())}
+        step = steps.make_train_step(tr.model, tr.exchange, tr.plan, tr.world, cfg.bn_mode,
+                                     padding=not tr.full_batches)
+        return jax.jit(step, donate_argnums=0).lower(init.abstract, batch).as_text()
+
+    assert lowered(small_config()) == lowered(other)

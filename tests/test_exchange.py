@@ -70,18 +70,16 @@ def test_hierarchical_allreduce_from_config_groups_by_local_size():
 @pytest.mark.parametrize("overrides,name,vma,keys", [
     ({}, "allreduce:xla", True, {}),
     ({"allreduce": "tree"}, "allreduce:tree", False, {}),
-    # CPU with im2col convolutions: kernels in HWIO order (trjax.plan.resolve_kernel_order)
-    ({"compression": "powersgd"}, "compressed", False, {"bucket_kernel_order": "HWIO"}),
-    ({"shard_optimizer_state": True}, "shard_optimizer_state", False,
-     {"bucket_kernel_order": "HWIO"}),
-    ({"compression": "powersgd", "conv_lowering": "xla"}, "compressed", False,
-     {"bucket_kernel_order": "IHWO"}),
+    # one row (error feedback) or shard (ZeRO-1) per replica: the same world size only
+    ({"compression": "powersgd"}, "compressed", False, {"world_size": 8}),
+    ({"shard_optimizer_state": True}, "shard_optimizer_state", False, {"world_size": 8}),
 ])
 def test_from_config_picks_one_strategy(overrides, name, vma, keys):
     """One constructor per strategy; VMA typing and checkpoint keys come with it."""
     from trjax.train import prepare
-    ex = prepare(small_config(**overrides)).exchange
-    assert (ex.name, ex.check_vma, ex.checkpoint_keys) == (name, vma, keys)
+    tr = prepare(small_config(**overrides))
+    ex = tr.exchange
+    assert (ex.name, ex.check_vma, ex.checkpoint_keys(tr.world)) == (name, vma, keys)
 
 
 def test_compression_bf16_halves_requested_bytes_and_stays_close(reference):

@@ -171,3 +171,71 @@ def test_errors_name_the_path(tmp_path):
         imf.ImageFolder(tmp_path, "train", classes=["dog"])
     with pytest.raises(IndexError, match="index 2 is outside"):
         imf.ImageFolder(tmp_path, "train").image(2)
+
+
+# ---------------------------------------------------------------------------
+# Names as text: NFC and NFD folders give one label mapping (macOS file systems
+# may hand out NFD names; Linux keeps the bytes as given, so both forms exist here).
+# ---------------------------------------------------------------------------
+
+NFD_E, NFC_E = "e\u0301", "\u00e9"  # "é" decomposed / composed
+
+
+def _named_folder(root, split, e):
+    """root/split/{dog, <e>clair, fox}/{a, <e>t<e>, f}.png with ``e`` one form of "é".
+
+    NFD sorts "<e>clair" before "fox" ("e" < "f"), NFC after it ("é" > "f")."""
+    for cls in ("dog", f"{e}clair", "fox"):
+        (root / split / cls).mkdir(parents=True)
+        for stem in ("a", f"{e}t{e}", "f"):
+            gradient_image(8, 6).save(root / split / cls / f"{stem}.png")
+
+
+def test_label_indices_depend_on_the_class_names_as_text_not_their_unicode_form(tmp_path):
+    import unicodedata
+    from trjax.data import input_pipeline as ip
+    folders = {}
+    for name, train_e, val_e in (("nfd", NFD_E, NFD_E), ("nfc", NFC_E, NFC_E),
+                                 ("mixed", NFD_E, NFC_E)):  # a Mac's train, a Linux val
+        _named_folder(tmp_path / name, "train", train_e)
+        _named_folder(tmp_path / name, "val", val_e)
+        folders[name] = ds.load_dataset("imagefolder", str(tmp_path / name), image_size=8)
+    # the folders really differ on disk: sorted as stored, NFD puts "éclair" second
+    assert sorted(os.listdir(tmp_path / "nfd" / "train"))[1] == f"{NFD_E}clair"
+    assert sorted(os.listdir(tmp_path / "nfc" / "train"))[2] == f"{NFC_E}clair"
+    for d in folders.values():
+        for split in (d.train, d.val):
+            assert split.classes == ["dog", "fox", "\u00e9clair"]  # NFC, code point order
+            assert split.labels.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+            # file order within a class (example index, epoch order, val batches): by text too
+            names = [unicodedata.normalize("NFC", os.path.basename(p)) for p in split.paths]
+            assert names == ["a.png", "f.png", "\u00e9t\u00e9.png"] * 3
+            assert all(os.path.isfile(p) for p in split.paths)  # the names on disk
+            assert split.image(8).size == (8, 6)
+    assert os.path.basename(folders["nfd"].train.paths[8]) == f"{NFD_E}t{NFD_E}.png"
+    assert ip.skipped_images(folders["nfd"], {f"/x/{NFD_E}", "/x/f", "/x/a"}) == \
+        ["/x/a", "/x/f", f"/x/{NFD_E}"]  # reported in the same text order
+    # another split's classes given in the other form: the same indices
+    val = imf.ImageFolder(tmp_path / "nfc", "val", classes=["dog", "fox", f"{NFD_E}clair"])
+    assert val.classes == ["dog", "fox", "\u00e9clair"] and val.labels.tolist()[-1] == 2
+    with pytest.raises(ValueError, match=r"classes \['\u00e9clair'\] are given more than once"):
+        imf.ImageFolder(tmp_path / "nfc", "val", classes=[f"{NFD_E}clair", f"{NFC_E}clair"])
+    assert imf.text_key(f"{NFD_E}clair") == "\u00e9clair"
+
+
+def test_two_names_that_are_one_text_in_two_forms_are_an_error_naming_both(tmp_path):
+    train = tmp_path / "train"
+    for e in (NFD_E, NFC_E):
+        (train / f"caf{e}").mkdir(parents=True)
+        gradient_image(8, 6).save(train / f"caf{e}" / "a.png")
+    nfd, nfc = train / f"cafe\u0301", train / "caf\u00e9"
+    with pytest.raises(ValueError, match=esc(f"class folders {nfd} and {nfc} are the same name "
+                                             "'caf\u00e9' in two Unicode forms (NFD 'cafe\\u0301', "
+                                             "NFC 'caf\\xe9')") + ".*rename one"):
+        imf.ImageFolder(tmp_path, "train")
+    nfc.rename(train / "tea")
+    gradient_image(8, 6).save(nfd / f"{NFC_E}.png")
+    gradient_image(8, 6).save(nfd / f"{NFD_E}.png")
+    with pytest.raises(ValueError, match=esc(f"files {nfd / (NFD_E + '.png')} and "
+                                             f"{nfd / (NFC_E + '.png')} are the same name")):
+        imf.ImageFolder(tmp_path, "train")

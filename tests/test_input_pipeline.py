@@ -1,6 +1,7 @@
 """The pipeline (trjax.data.input_pipeline): batches, determinism over splits and workers,
 resume, bad files, prefetch, normalisation and the host->device boundary."""
 import os
+import pickle
 import subprocess
 import sys
 import threading
@@ -166,6 +167,123 @@ def test_bad_files_skipped_and_counted_or_named(tmp_path):
     skipped2 = set()
     _assert_same(_epoch(data.train, 6, shuffle=False, workers=2, skipped=skipped2), batches)
     assert skipped2 == {bad}
+
+
+# ---------------------------------------------------------------------------
+# Errors raised in worker processes reach this one as they are raised in-process.
+# ---------------------------------------------------------------------------
+
+
+class OddError(Exception):
+    """A source's own error whose ``__init__`` takes other arguments than its message:
+    pickle's default rebuilds it as ``OddError(message)`` and fails."""
+
+    def __init__(self, path, code):
+        super().__init__(f"{path}: odd failure {code}")
+        self.path, self.code = path, code
+
+
+class OddSource(NamedTuple):
+    """An on-demand source whose example 3 raises :class:`OddError`."""
+    labels: np.ndarray
+    paths: tuple
+    skip_bad_images: bool = False
+
+    def image(self, i):
+        if i == 3:
+            raise OddError(self.paths[i], 7)
+        return Image.new("RGB", (20, 20), (i, 0, 0))
+
+
+def _corrupt_folder(tmp_path):
+    data = _jpeg_folder(tmp_path)
+    bad = data.train.paths[4]
+    with open(bad, "r+b") as f:
+        f.truncate(100)
+    return data, bad
+
+
+def _raised(fn):
+    with pytest.raises(Exception) as info:
+        fn()
+    return info.value
+
+
+def test_a_bad_image_crosses_a_real_process_boundary_with_its_type_file_and_reason(tmp_path):
+    """The worker's call (BatchMaker wrapped as iterate_batches wraps it for grain) in a
+    spawned process: what comes back is rebuilt as the in-process BadImage, message and
+    all. Runs without grain."""
+    import concurrent.futures
+    import multiprocessing
+    from trjax.data import imagefolder, worker_errors
+    data, bad = _corrupt_folder(tmp_path)
+    maker = ip.BatchMaker(data.train, np.arange(len(data.train)), 6, (0, 6), seed=0, epoch=0,
+                          augment=False, image_size=16)
+    inproc = _raised(lambda: maker(0))
+    assert type(inproc) is imagefolder.BadImage and str(inproc).startswith(bad + ": cannot decode")
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        failure = pool.submit(worker_errors.Catching(maker), 0).result()
+    assert isinstance(failure, worker_errors.Failure)
+    error = failure.rebuild()
+    assert type(error) is imagefolder.BadImage and str(error) == str(inproc)
+    assert (error.path, error.reason) == (bad, inproc.reason) and error.reason  # file, reason
+    assert "raised in input worker process" in error.__notes__[-1]
+    assert "imagefolder.BadImage: " + str(inproc) in error.__notes__[-1]  # its traceback
+    # BadImage pickles on its own too
+    again = pickle.loads(pickle.dumps(inproc))
+    assert type(again) is imagefolder.BadImage and str(again) == str(inproc)
+    assert (again.path, again.reason) == (bad, inproc.reason)
+
+
+def test_every_error_type_survives_the_trip_or_is_named():
+    """What a worker's queue does to a result (pickle, unpickle) leaves each error its
+    type, message and attributes; a type that cannot travel is a WorkerError naming it."""
+    from trjax.data import worker_errors as we
+
+    def trip(error):
+        def fail():
+            raise error
+        failure = we.Catching(fail)()  # in the worker
+        return pickle.loads(pickle.dumps(failure)).rebuild()  # the queue, then the parent
+
+    odd = OddError("/data/x.jpg", 7)
+    with pytest.raises(TypeError, match="missing 1 required positional argument"):
+        pickle.loads(pickle.dumps(odd))  # the field failure: pickle's default
+    back = trip(odd)
+    assert type(back) is OddError and str(back) == "/data/x.jpg: odd failure 7"
+    assert (back.path, back.code) == ("/data/x.jpg", 7)
+    plain = trip(ValueError("label 12 is outside [0, 10)"))
+    assert type(plain) is ValueError and str(plain) == "label 12 is outside [0, 10)"
+
+    class Local(Exception):  # not importable by name: cannot be rebuilt elsewhere
+        pass
+    named = trip(Local("no way home"))
+    assert type(named) is ip.WorkerError and named.type_name.endswith("<locals>.Local")
+    assert str(named) == named.type_name + ": no way home" and named.message == "no way home"
+    held = ValueError("holds a lock")
+    held.lock = threading.Lock()  # an attribute that does not pickle
+    assert str(trip(held)) == "builtins.ValueError: holds a lock"
+    assert all("raised in input worker process" in e.__notes__[-1] for e in (back, plain, named))
+    assert we.Catching(lambda x: x + 1)(1) == 2
+
+
+def test_worker_processes_raise_what_the_in_process_path_raises(tmp_path):
+    """iterate_batches with grain workers: a corrupt file is the in-process BadImage (the
+    same type and message: file and reason); a source's own error type arrives too."""
+    pytest.importorskip("grain")
+    data, bad = _corrupt_folder(tmp_path)
+    inproc = _raised(lambda: _epoch(data.train, 6, shuffle=False))
+    error = _raised(lambda: _epoch(data.train, 6, shuffle=False, workers=2))
+    assert type(error) is type(inproc) and str(error) == str(inproc)
+    assert error.path == bad and error.reason == inproc.reason
+    source = OddSource(np.zeros(8, np.int32), tuple(f"/data/{i}.jpg" for i in range(8)))
+    inproc = _raised(lambda: _epoch(source, 4, shuffle=False))
+    error = _raised(lambda: _epoch(source, 4, shuffle=False, workers=1))
+    assert type(error) is type(inproc) is OddError
+    assert str(error) == str(inproc) == "/data/3.jpg: odd failure 7" and error.code == 7
+    assert inproc.__notes__ == ["while reading example 3: /data/3.jpg"]
+    assert error.__notes__[0] == inproc.__notes__[0]
 
 
 def test_resolve_workers():

@@ -1,4 +1,4 @@
-"""The README's offline install, in a fresh virtual environment that, like the GPU
+"""The offline install of docs/gpu.md, in a fresh virtual environment that, like the GPU
 image, has jax, flax, optax, orbax, ... but neither ml_collections nor
 tensorboardX, and no package index (--no-index).
 
@@ -6,10 +6,10 @@ The environment: a venv of this interpreter without pip or system site-packages,
 whose one .pth file adds a folder of links to this environment's packages minus
 ml_collections, tensorboardX and trjax (so nothing is downloaded or rebuilt and
 the test stays fast). The carried wheels come from scripts/offline_wheels.sh,
-run here once (it needs the package index, as the README's networked machine
+run here once (it needs the package index, as the networked machine of docs/gpu.md
 does; without one the tests skip and say so).
 
-Routes, as the README documents them:
+Routes, as docs/gpu.md documents them:
   A. repo and wheels on PYTHONPATH, no pip: scripts/train.py trains one step and
      writes TensorBoard events through tensorboardX imported from its wheel;
   B. pip install --no-index of the wheels, then trjax with

@@ -1,6 +1,7 @@
 """Several processes on jax.distributed (gloo on CPU), launched on 127.0.0.1."""
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -88,3 +89,59 @@ def test_killed_peer_makes_the_survivor_exit_nonzero(tmp_path):
     # on the dead peer and abort the process, rc -6) is not run
     assert re.search(r"a collective failed on process 0: .*\ntrjax: a peer process has probably "
                      r"died; exiting with code 3\.", rest), rest[-3000:]
+
+
+def test_sigterm_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path):
+    """The field failure: the launcher died at once on SIGTERM and left its processes
+    running without a stop checkpoint. Now it forwards the signal, waits for the agreed
+    stop step's checkpoint and exits 143 as its processes do."""
+    cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--num_processes",
+           "2", "--cpu_devices", "2", "--", *TRAIN, "--workdir", str(tmp_path),
+           "--config.num_epochs=100", "--config.log_every_steps=2",
+           "--config.preemption_check_every_steps=2", "--config.distributed.heartbeat_timeout_s=10"]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=_env())
+    out, pids = [], []
+    try:
+        for line in launcher.stdout:
+            out.append(line)
+            if m := re.match(r"\[launch\] process \d: pid (\d+)", line):
+                pids.append(int(m.group(1)))
+            if line.startswith("[p0] step "):  # training under way: only the launcher is told
+                launcher.send_signal(signal.SIGTERM)
+                break
+        rest = launcher.communicate(timeout=120)[0]
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    text = "".join(out) + rest
+    assert launcher.returncode == stops.EXIT_PREEMPTED, text[-3000:]
+    assert "[launch] SIGTERM: forwarded to 2 process(es)" in text
+    assert "[launch] exit codes [143, 143]" in text  # both children exited, after their stop
+    assert len(pids) == 2 and not any(os.path.exists(f"/proc/{p}") for p in pids)
+    stopped = int(re.search(r"\[p0\] .*stopped after step (\d+) \(SIGTERM\)", text).group(1))
+    assert re.search(rf"\[p1\] .*stopped by SIGTERM after step {stopped}", text), text[-3000:]
+    assert str(stopped) in os.listdir(tmp_path / "checkpoints")  # the stop checkpoint
+
+
+REPEATED_SIGTERM = """
+import os, signal, time
+from trjax.train import stops
+with stops.StopSignals() as signals:
+    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), signal.SIGTERM)  # the same request again: a launcher's forward
+    print(signals.should_stop(1), flush=True)
+    time.sleep(stops.REPEAT_S + 0.2)
+    os.kill(os.getpid(), signal.SIGTERM)  # later: a second request, the default action at once
+    time.sleep(30)
+print("not stopped", flush=True)
+"""
+
+
+def test_a_forwarded_copy_of_a_signal_is_one_request_a_later_one_stops_at_once():
+    """A terminal's Ctrl-C or a scheduler's SIGTERM reaches the launcher's processes
+    directly and again through the launcher: the copy must not end them without their
+    checkpoint; a signal after stops.REPEAT_S still does."""
+    out = subprocess.run([sys.executable, "-c", REPEATED_SIGTERM], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**_env(), "PYTHONPATH": ROOT})
+    assert out.stdout == "SIGTERM\n" and out.returncode == -signal.SIGTERM, out.stderr[-2000:]

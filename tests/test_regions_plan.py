@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from trjax import models
-from trjax.plan import BUCKETS, METRICS, build_plan, resolve_kernel_order
+from trjax.plan import BUCKETS, METRICS, build_plan
 from trjax.regions import Region, assign_regions
 
 
@@ -153,9 +153,3 @@ def test_kernel_order_ihwo_lays_conv_gradients_out_transposed():
     assert per_leaf.kernel_order == "HWIO" and all(s.order is None for s in per_leaf.slots)
     with pytest.raises(ValueError, match=r"kernel_order='OIHW' is not one of"):
         build_plan(model, (8, 8, 1), "two", "OIHW")
-    assert resolve_kernel_order("auto", "cpu") == "IHWO"
-    assert resolve_kernel_order("auto", "cpu", "im2col") == "HWIO"  # matmul outputs
-    assert resolve_kernel_order("auto", "gpu") == "HWIO"
-    assert resolve_kernel_order("HWIO", "cpu") == "HWIO"
-    with pytest.raises(ValueError, match=r"bucket_kernel_order='ohwi'.*'auto'"):
-        resolve_kernel_order("ohwi", "cpu")

@@ -204,14 +204,6 @@ def test_halt_on_nonfinite_is_honoured_in_fp16(tmp_path):
         train_and_evaluate(cfg, str(tmp_path))
 
 
-def test_resume_with_another_learning_rate_names_the_difference(tmp_path):
-    train_and_evaluate(small_config(halt_after_steps=2, log_every_steps=0), str(tmp_path))
-    with pytest.raises(ValueError, match=r"learning_rate: 0.2 -> 0.1; resume with the same"):
-        train_and_evaluate(small_config(learning_rate=0.1, log_every_steps=0), str(tmp_path))
-    saved = json.load(open(tmp_path / "config.json"))
-    assert saved["learning_rate"] == 0.2 and saved["model"] == "resnet8"
-
-
 def test_sigterm_to_one_of_two_processes_stops_both_at_the_same_step(tmp_path):
     import socket
     with socket.socket() as s:

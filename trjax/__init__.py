@@ -29,4 +29,4 @@ outside ``train`` imports it (``tests/test_imports.py`` checks the rule).
 The entry point: ``from trjax.train import train_and_evaluate``.
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

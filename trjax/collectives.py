@@ -7,7 +7,7 @@ own in-process or gloo implementation on CPU).
 * :func:`allreduce_buckets` -- the gradient sync: ONE all-reduce per bucket,
   ``deep`` first, ``first`` second (the seed's DEEP_COMM / FIRST_COMM).
 * :func:`allreduce_batch_stats` -- the seed's STATS_COMM: every layer's BN
-  batch sums ``(sum x, sum x^2, n)`` added over replicas, as one buffer.
+  batch sums ``(sum (x - r), sum (x - r)^2, n)`` added over replicas, as one buffer.
 * :func:`broadcast_from_rank0` -- every replica takes rank 0's bits.
 * :func:`allreduce_sums` -- exact global sums of metric accumulators.
 """
@@ -78,9 +78,11 @@ def allreduce_buckets(buffers: Mapping[str, jax.Array], axis_name: str,
 def allreduce_batch_stats(stats_buffer: jax.Array, axis_name: str, done: jax.Array | None = None):
     """Global BN batch sums, in one all-reduce (the seed's STATS_COMM).
 
-    The buffer holds, per BatchNorm layer, ``(sum x [C], sum x^2 [C], n)`` of
-    this replica's real rows; the SUM over replicas is the global batch's
-    sums, so the running statistics computed from it
+    The buffer holds, per BatchNorm layer, ``(sum (x - r) [C], sum (x - r)^2 [C],
+    n)`` of this replica's real rows, ``r`` the layer's running mean (the same
+    on every replica in ``running`` mode, so the shifted sums add over replicas
+    as plain sums do; see :mod:`trjax.batchnorm`, "Precision"); the SUM over
+    replicas is the global batch's sums, so the running statistics computed from it
     (:func:`trjax.batchnorm.update_running_tree`) weight every replica by its
     real row count: a replica holding only padding adds zeros. (The seed
     averaged the replicas' running statistics with equal weight instead.)

@@ -8,18 +8,21 @@ PyTorch DDP's comm hooks, ``hook(state, bucket)``, play the same role):
 * ``init(params, world) -> (opt_state, comm_state)``: global arrays laid out
   as ``specs()`` says; traceable (``create_train_state`` runs it inside its
   one start-up program);
-* ``specs() -> (opt_specs, comm_specs)``: their ``shard_map`` partition specs;
-* ``update(buffers, params, opt_state, comm_state, step, loss_scale) ->
-  Update``: called per device inside the train step's ``shard_map`` with this
-  device's packed bucket buffers (gradient SUMS over its rows, the metric sums
+* ``specs(axis_name) -> (opt_specs, comm_specs)``: their ``shard_map``
+  partition specs over the mesh's data axis ``axis_name`` (``world.axis_name``);
+* ``update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name)
+  -> Update``: called per device inside the train step's ``shard_map`` (over
+  the data axis ``axis_name``) with this device's packed bucket buffers (gradient SUMS over its rows, the metric sums
   in the plan's metrics slot); returns the new parameters and states, the
   global metric sums, whether the reduced gradient is finite (the same on
   every replica), and ``last``: the last collective's result, which the step
   chains later collectives after (:func:`trjax.collectives.after`);
 * ``check_vma``: whether the step can be typed by ``shard_map``'s
   varying-manual-axes check (``lax.psum`` results only);
-* ``checkpoint_keys``: config values a checkpoint of this state must match
-  (a state stored in bucket layout depends on the plan's kernel order).
+* ``checkpoint_keys(world) -> dict``: values a checkpoint of this state must
+  match: ``{"world_size": N}`` when the state holds one row or shard per
+  replica (error feedback, ZeRO-1 shards), so it restores on the same world
+  size only; ``{}`` otherwise.
 
 Constructors: :func:`allreduce` (``lax.psum`` or an algorithm of
 :mod:`trjax.allreduce`, hierarchical included), :func:`compressed` (a
@@ -45,7 +48,7 @@ from trjax import allreduce as allreduce_lib
 from trjax import collectives, compression, optim
 from trjax.metrics import METRICS
 from trjax.plan import MemoryPlan, layer_matrices, shard_layout
-from trjax.world import DATA_AXIS, World
+from trjax.world import World
 
 ALLREDUCE_CHOICES = tuple(allreduce_lib.ALGORITHMS) + ("hierarchical",)
 """``config.allreduce`` values: the algorithms of :mod:`trjax.allreduce` and
@@ -67,10 +70,15 @@ class GradientExchange(NamedTuple):
     """A data-parallel strategy (see the module docstring)."""
     name: str
     init: Callable[[Any, World], tuple[Any, Any]]
-    specs: Callable[[], tuple[Any, Any]]
+    specs: Callable[[str], tuple[Any, Any]]
     update: Callable[..., Update]
     check_vma: bool
-    checkpoint_keys: dict
+    checkpoint_keys: Callable[[World], dict]
+
+
+def _per_replica(world: World) -> dict:
+    """The checkpoint keys of a state with one row or shard per replica."""
+    return {"world_size": world.world_size}
 
 
 def _inverse_count(count: jax.Array, loss_scale) -> jax.Array:
@@ -99,13 +107,13 @@ def _replicated(name, tx, plan, reduce, check_vma, init_comm, checkpoint_keys):
     def init(params, world):
         return jax.jit(tx.init, out_shardings=world.replicated())(params), init_comm(world)
 
-    def update(buffers, params, opt_state, comm_state, step, loss_scale):
-        reduced, comm_state = reduce(buffers, comm_state, step)
+    def update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name):
+        reduced, comm_state = reduce(buffers, comm_state, step, axis_name)
         params, opt_state, sums, finite = _apply_mean(tx, plan, reduced, params, opt_state,
                                                       loss_scale)
         return Update(params, opt_state, comm_state, sums, finite, list(reduced.values())[-1])
 
-    return GradientExchange(name, init, lambda: (P(), P(DATA_AXIS)), update, check_vma,
+    return GradientExchange(name, init, lambda axis_name: (P(), P(axis_name)), update, check_vma,
                             checkpoint_keys)
 
 
@@ -137,12 +145,12 @@ def allreduce(tx: optax.GradientTransformation, plan: MemoryPlan, algorithm: str
         reduce_fn = None if algorithm == "xla" else allreduce_lib.ALGORITHMS[algorithm]
     chain = plan.policy != "per_leaf"
 
-    def reduce(buffers, comm_state, step):
-        return collectives.allreduce_buckets(buffers, DATA_AXIS, chain=chain,
+    def reduce(buffers, comm_state, step, axis_name):
+        return collectives.allreduce_buckets(buffers, axis_name, chain=chain,
                                              reduce_fn=reduce_fn), comm_state
 
     return _replicated(f"allreduce:{algorithm}", tx, plan, reduce, algorithm == "xla",
-                       lambda world: {}, {})
+                       lambda world: {}, lambda world: {})
 
 
 def exact_below(plan: MemoryPlan, make: Callable[[str], compression.Compressor],
@@ -184,7 +192,7 @@ def compressed(tx: optax.GradientTransformation, plan: MemoryPlan, compressors,
             (size - (nm if b == mbucket else 0),), jnp.float32)))
             for b, size in plan.bucket_elements.items()}
 
-    def reduce(buffers, comm_state, step):
+    def reduce(buffers, comm_state, step, axis_name):
         reduced, new_comm, previous = {}, {}, None
         for b, x in buffers.items():
             if previous is not None:
@@ -196,17 +204,17 @@ def compressed(tx: optax.GradientTransformation, plan: MemoryPlan, compressors,
                     step < start_step, lambda g, st: (lax.psum(g, ax), st),
                     lambda g, st: f(g, st, ax), g, st)
             if b == mbucket:  # metrics leave the bucket: they must stay exact
-                m = lax.psum(x[moff:moff + nm], DATA_AXIS)
-                g, st = compress(jnp.concatenate([x[:moff], x[moff + nm:]]), st, DATA_AXIS)
+                m = lax.psum(x[moff:moff + nm], axis_name)
+                g, st = compress(jnp.concatenate([x[:moff], x[moff + nm:]]), st, axis_name)
                 x = jnp.concatenate([g[:moff], m, g[moff:]])
             else:
-                x, st = compress(x, st, DATA_AXIS)
+                x, st = compress(x, st, axis_name)
             reduced[b] = previous = x
             new_comm[b] = jax.tree_util.tree_map(lambda v: v[None], st)
         return reduced, new_comm
 
     return _replicated("compressed", tx, plan, reduce, False, init_comm,
-                       {"bucket_kernel_order": plan.kernel_order})
+                       _per_replica)
 
 
 def shard_optimizer_state(plan: MemoryPlan, world_size: int,
@@ -230,33 +238,36 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
     layout = shard_layout(plan, world_size)
     shard = {b: n // world_size for b, (n, _) in layout.items()}
 
-    def decay_mask(shards):
-        rank = lax.axis_index(DATA_AXIS)
-        return {b: lax.dynamic_slice_in_dim(jnp.asarray(layout[b][1]), rank * shard[b], shard[b])
-                for b in shards}
+    def decay_mask(rank):  # the weight-decay flags of rank's shard, per element
+        return lambda shards: {b: lax.dynamic_slice_in_dim(jnp.asarray(layout[b][1]),
+                                                           rank * shard[b], shard[b])
+                               for b in shards}
 
-    tx = make_tx(decay_mask)
+    init_tx = make_tx(decay_mask(0))  # the state's structure does not depend on the rank
     flat = {b: jax.ShapeDtypeStruct((n,), jnp.float32) for b, (n, _) in layout.items()}
-    opt_specs = jax.tree_util.tree_map(lambda x: P() if x.ndim == 0 else P(DATA_AXIS),
-                                       jax.eval_shape(tx.init, flat))
+    opt_shapes = jax.eval_shape(init_tx.init, flat)
+    opt_specs = lambda axis_name: jax.tree_util.tree_map(
+        lambda x: P() if x.ndim == 0 else P(axis_name), opt_shapes)
     mb, mo = plan.metrics_slot
 
     def init(params, world):
         zeros = {b: jnp.zeros(n, jnp.float32) for b, (n, _) in layout.items()}
-        shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp), opt_specs)
-        return jax.jit(tx.init, out_shardings=shardings)(zeros), {}
+        shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp),
+                                           opt_specs(world.axis_name))
+        return jax.jit(init_tx.init, out_shardings=shardings)(zeros), {}
 
-    def update(buffers, params, opt_state, comm_state, step, loss_scale):
-        rank = lax.axis_index(DATA_AXIS)
+    def update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name):
+        rank = lax.axis_index(axis_name)
+        tx = make_tx(decay_mask(rank))
         shards, previous = {}, None
         for b, x in buffers.items():  # reduce-scatter, one per bucket, in order
             x = jnp.pad(x, (0, layout[b][0] - x.shape[0]))
             if previous is not None:
                 x = collectives.after(x, previous)
-            shards[b] = previous = lax.psum_scatter(x, DATA_AXIS, tiled=True)
+            shards[b] = previous = lax.psum_scatter(x, axis_name, tiled=True)
         local_bad = 1.0 - jnp.isfinite(sum(jnp.sum(v) for v in shards.values())).astype(jnp.float32)
         summed = lax.psum(jnp.concatenate([buffers[mb][mo:mo + len(METRICS)], local_bad[None]]),
-                          DATA_AXIS)
+                          axis_name)
         sums, finite = summed[:len(METRICS)], summed[len(METRICS)] == 0
         inv_count = _inverse_count(sums[_COUNT], loss_scale)
         pflat = plan.pack(params, jnp.zeros(len(METRICS)))
@@ -264,13 +275,14 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
                                             rank * shard[b], shard[b]) for b in shards}
         grads = {b: g * inv_count for b, g in shards.items()}
         updates, opt_state = tx.update(grads, opt_state, mine)
-        new_flat = {b: lax.all_gather(mine[b] + updates[b], DATA_AXIS, tiled=True)[:pflat[b].shape[0]]
-                    for b in shards}
+        new_flat = {b: lax.all_gather(mine[b] + updates[b], axis_name,
+                                      tiled=True)[:pflat[b].shape[0]] for b in shards}
         params, _ = plan.unpack(new_flat)
         return Update(params, opt_state, comm_state, sums, finite, previous)
 
-    return GradientExchange("shard_optimizer_state", init, lambda: (opt_specs, P(DATA_AXIS)),
-                            update, False, {"bucket_kernel_order": plan.kernel_order})
+    return GradientExchange("shard_optimizer_state", init,
+                            lambda axis_name: (opt_specs(axis_name), P(axis_name)),
+                            update, False, _per_replica)
 
 
 def from_config(config, plan: MemoryPlan, schedule, world: World) -> GradientExchange:

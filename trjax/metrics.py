@@ -30,21 +30,25 @@ class StepMetrics(NamedTuple):
       count: real rows (mask 1).
       finite: 1.0 when the update was applied, 0.0 when a non-finite gradient
         skipped it; in a total (:meth:`plus`), the number of applied steps.
+      loss_scale: the train state's loss scale after the step (fp16 dynamic
+        scaling; 1.0 otherwise), so the host reads the device's value instead
+        of recomputing it; in a total, the latest step's.
     """
     loss_sum: Any
     top1: Any
     top5: Any
     count: Any
     finite: Any = 1.0
+    loss_scale: Any = 1.0
 
     @classmethod
-    def from_sums(cls, sums, finite=1.0) -> "StepMetrics":
+    def from_sums(cls, sums, finite=1.0, loss_scale=1.0) -> "StepMetrics":
         """From a ``[4]`` vector ordered as :data:`METRICS`."""
-        return cls(sums[0], sums[1], sums[2], sums[3], finite)
+        return cls(sums[0], sums[1], sums[2], sums[3], finite, loss_scale)
 
     @classmethod
     def zeros(cls) -> "StepMetrics":
-        return cls(0.0, 0.0, 0.0, 0.0, 0.0)
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
 
     def to_host(self) -> "StepMetrics":
         """Python floats, from replicated (possibly multi-process) arrays: each
@@ -53,7 +57,8 @@ class StepMetrics(NamedTuple):
         return StepMetrics(*(float(v) for v in jax.device_get(local)))
 
     def plus(self, other: "StepMetrics") -> "StepMetrics":
-        return StepMetrics(*(a + b for a, b in zip(self, other)))
+        """Sums of the two (``loss_scale``: ``other``'s, the later step's)."""
+        return StepMetrics(*(a + b for a, b in zip(self[:-1], other[:-1])), other.loss_scale)
 
     def rates(self) -> dict[str, float]:
         """``{"loss", "top1", "top5"}``: the sums over ``max(count, 1)``.

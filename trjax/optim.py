@@ -26,7 +26,15 @@ OPTIMIZERS = ("sgd", "lars")
 
 
 def learning_rate_schedule(learning_rate: float, warmup_steps: int, total_steps: int):
-    """Warmup + cosine schedule: step (int) -> learning rate (float32)."""
+    """Warmup + cosine schedule: step (int) -> learning rate (float32).
+
+    With ``W = min(warmup_steps, total_steps - 1)``, ``T = max(total_steps, W + 1)``
+    and peak ``lr``: ``lr * t / W`` for ``t < W`` (linear from 0), then
+    ``lr * (1 + cos(pi * (t - W) / (T - W))) / 2`` (cosine to 0 at ``t = T``;
+    optax's ``warmup_cosine_decay_schedule``, Goyal et al. 2017 for the warmup,
+    Loshchilov & Hutter 2017 for the cosine). Step ``t`` (0-based) is the rate the
+    ``t + 1``-th update applies.
+    """
     warmup_steps = max(0, min(warmup_steps, total_steps - 1))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,

@@ -24,7 +24,7 @@ bucket policy (``BUCKET_POLICIES``) decides the grouping:
 Inside a bucket, a conv kernel's gradient is laid out in the plan's
 ``kernel_order`` (:data:`KERNEL_ORDERS`). ``"HWIO"`` is the parameter's own
 order. ``"IHWO"`` is the order in which XLA:CPU's weight-gradient convolution
-(YNNPACK) writes it: laying the bucket out that way makes packing a plain
+(YNNPACK) writes it: laying the bucket out that way makes filling the bucket a plain
 copy of the convolution outputs, and the transpose back to HWIO happens while
 the optimizer reads the reduced bucket. Under ``"HWIO"`` on CPU, XLA writes
 each kernel gradient twice: a transpose, then the copy into the bucket (see
@@ -62,30 +62,6 @@ _METRICS_NAME = "result/metrics"
 
 KERNEL_ORDERS = ("HWIO", "IHWO")
 """Axis orders a conv kernel gradient can take inside a bucket."""
-
-
-def resolve_kernel_order(setting: str, platform: str, conv_lowering: str = "xla") -> str:
-    """``config.bucket_kernel_order`` for a backend: ``"auto"`` is ``"IHWO"`` on
-    ``cpu`` with XLA's convolutions (``conv_lowering="xla"``: the order of
-    XLA:CPU's weight-gradient convolution output, so packing a bucket is one
-    copy instead of a transpose and a copy) and ``"HWIO"`` elsewhere; others pass through.
-
-    With ``conv_lowering="im2col"`` (the CPU default, :mod:`trjax.cpu.im2col`) the
-    kernels that im2col computes, the last stage's on the main job and so most
-    of its kernel elements, get their gradients from a matmul, already in HWIO
-    order. Measured on the main job (8 simulated devices, the three compiled in
-    one process, alternating epochs, median of 8): IHWO 39.8, HWIO 37.9 ms per
-    step (a per-kernel mix of the two orders: 37.0).
-
-    Raises:
-      ValueError: ``setting`` is not ``"auto"`` or one of ``plan.KERNEL_ORDERS``.
-    """
-    if setting == "auto":
-        return "IHWO" if platform == "cpu" and conv_lowering == "xla" else "HWIO"
-    if setting not in KERNEL_ORDERS:
-        raise ValueError(f"config.bucket_kernel_order={setting!r} is not one of "
-                         f"{('auto',) + KERNEL_ORDERS}")
-    return setting
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,7 +199,8 @@ class MemoryPlan:
     @property
     def stat_sums_elements(self) -> int:
         """Elements of the ``running`` mode's one statistics all-reduce: per
-        BatchNorm ``(sum x [C], sum x^2 [C], n)``, i.e. ``2C + 1``
+        BatchNorm ``(sum (x-r) [C], sum (x-r)^2 [C], n)`` (shifted by the running
+        mean ``r``), i.e. ``2C + 1``
         (:func:`trjax.steps.sync_batch_stats`)."""
         return sum(2 * n + 1 for name, (_, n, _) in self.stats_slots.items()
                    if name.endswith("/mean"))

@@ -47,19 +47,21 @@ class TrainState:
     comm_state: Any = None
 
 
-def state_specs(bn_mode: str, exchange=None) -> TrainState:
+def state_specs(bn_mode: str, axis_name: str, exchange=None) -> TrainState:
     """``shard_map`` partition specs of a :class:`TrainState` (a pytree prefix).
 
     Args:
-      bn_mode: ``local`` keeps one BN statistics row per replica (``P(data)``).
+      bn_mode: ``local`` keeps one BN statistics row per replica (``P(axis_name)``).
+      axis_name: the mesh's data axis (``world.axis_name``).
       exchange: the :class:`trjax.exchange.GradientExchange` whose optimizer
         and comm state the specs describe (``None``: replicated optimizer
         state, as for steps that do not touch it).
     """
-    opt_specs, comm_specs = (P(), P(DATA_AXIS)) if exchange is None else exchange.specs()
+    opt_specs, comm_specs = (P(), P(axis_name)) if exchange is None else \
+        exchange.specs(axis_name)
     return TrainState(step=P(), params=P(), opt_state=opt_specs, skipped_steps=P(),
                       loss_scale=P(), good_steps=P(),
-                      batch_stats=P(DATA_AXIS) if bn_mode == "local" else P(),
+                      batch_stats=P(axis_name) if bn_mode == "local" else P(),
                       comm_state=comm_specs)
 
 
@@ -148,7 +150,7 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
                           good_steps=zero, comm_state=comm_state)
 
     shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp),
-                                       state_specs(bn_mode, exchange),
+                                       state_specs(bn_mode, world.axis_name, exchange),
                                        is_leaf=lambda x: isinstance(x, P))
     lowered = jax.jit(create, out_shardings=shardings).lower(seed)
 

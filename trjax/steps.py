@@ -43,9 +43,11 @@ from trjax.metrics import StepMetrics, batch_metrics
 from trjax.plan import MemoryPlan
 from trjax.precision import update_loss_scale
 from trjax.state import TrainState, state_specs
-from trjax.world import DATA_AXIS, World
+from trjax.world import World
 
-BATCH_SPEC = {"image": P(DATA_AXIS), "label": P(DATA_AXIS), "mask": P(DATA_AXIS)}
+def batch_spec(axis_name: str) -> dict:
+    """The ``shard_map`` specs of a batch: every leaf split over the data axis."""
+    return {"image": P(axis_name), "label": P(axis_name), "mask": P(axis_name)}
 
 
 def forward_backward(model: nn.Module, params, batch_stats, batch, loss_scale=None,
@@ -100,10 +102,12 @@ def forward_backward(model: nn.Module, params, batch_stats, batch, loss_scale=No
     return grads, sums, bn_sums
 
 
-def sync_batch_stats(batch_stats, bn_sums, bn_mode: str, momentum: float, last, finite):
+def sync_batch_stats(batch_stats, bn_sums, bn_mode: str, momentum: float, last, finite,
+                     axis_name: str):
     """The step's new BN running statistics by mode.
 
-    ``running``: every layer's ``(sum x, sum x^2, n)`` packed into ONE buffer,
+    ``running``: every layer's shifted sums ``(sum (x-r), sum (x-r)^2, n)``
+    (``r``: its running mean, :mod:`trjax.batchnorm`) packed into ONE buffer,
     one all-reduce (chained after ``last``; the sums are count-weighted by
     construction, see :func:`trjax.collectives.allreduce_batch_stats`), the
     result folded into ``finite``; ``sync``: the sums are already global;
@@ -113,6 +117,7 @@ def sync_batch_stats(batch_stats, bn_sums, bn_mode: str, momentum: float, last, 
     Args:
       batch_stats: this device's running statistics (``[C]`` leaves).
       bn_sums: from :func:`forward_backward`.
+      axis_name: the data axis (``running`` mode reduces over it).
 
     Returns:
       ``(batch_stats laid out as the state holds them, finite)``.
@@ -121,7 +126,7 @@ def sync_batch_stats(batch_stats, bn_sums, bn_mode: str, momentum: float, last, 
         leaves, treedef = jax.tree_util.tree_flatten(bn_sums)
         sizes = [x.size for x in leaves]
         packed = collectives.allreduce_batch_stats(
-            jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves]), DATA_AXIS,
+            jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves]), axis_name,
             done=last)
         finite = finite & jnp.isfinite(jnp.sum(packed))
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
@@ -170,18 +175,19 @@ def make_train_step(model: nn.Module, exchange: GradientExchange, plan: MemoryPl
     global sums of this step's batch (``finite`` 0.0 when the update was
     skipped on every replica).
     """
-    momentum = model.bn_momentum
+    momentum, axis = model.bn_momentum, world.axis_name
 
     def local_step(state: TrainState, batch):
         scale = state.loss_scale if dynamic_loss_scale else None
         old_bs = _local_stats(state.batch_stats, bn_mode)
         grads, sums, bn_sums = forward_backward(
-            model, lax.pcast(state.params, DATA_AXIS, to="varying"), old_bs, batch, scale,
+            model, lax.pcast(state.params, axis, to="varying"), old_bs, batch, scale,
             grad_accumulation_steps, padding)
         buffers = plan.pack(grads, lax.stop_gradient(sums))
         up = exchange.update(buffers, state.params, state.opt_state, state.comm_state,
-                             state.step, scale)
-        new_bs, finite = sync_batch_stats(old_bs, bn_sums, bn_mode, momentum, up.last, up.finite)
+                             state.step, scale, axis)
+        new_bs, finite = sync_batch_stats(old_bs, bn_sums, bn_mode, momentum, up.last, up.finite,
+                                          axis)
         loss_scale, good_steps = state.loss_scale, state.good_steps
         if dynamic_loss_scale:
             loss_scale, good_steps = update_loss_scale(loss_scale, good_steps, finite,
@@ -196,10 +202,11 @@ def make_train_step(model: nn.Module, exchange: GradientExchange, plan: MemoryPl
             opt_state=keep(up.opt_state, state.opt_state),
             skipped_steps=state.skipped_steps + (1 - finite.astype(jnp.int32)),
             loss_scale=loss_scale, good_steps=good_steps)
-        return new_state, StepMetrics.from_sums(up.sums, finite.astype(jnp.float32))
+        return new_state, StepMetrics.from_sums(up.sums, finite.astype(jnp.float32),
+                                                loss_scale)
 
-    specs = state_specs(bn_mode, exchange)
-    return jax.shard_map(local_step, mesh=world.mesh, in_specs=(specs, BATCH_SPEC),
+    specs = state_specs(bn_mode, axis, exchange)
+    return jax.shard_map(local_step, mesh=world.mesh, in_specs=(specs, batch_spec(axis)),
                          out_specs=(specs, P()), check_vma=exchange.check_vma)
 
 
@@ -208,7 +215,7 @@ def make_fold_bn(world: World, bn_mode: str) -> Callable:
     affine folded into one per-channel ``scale``/``bias``, once per evaluation
     (see :func:`trjax.batchnorm.fold_batchnorm_tree`). No collective.
     Folded leaves are ``[C]`` (``[world_size, C]`` in ``local`` mode)."""
-    spec = P(DATA_AXIS) if bn_mode == "local" else P()
+    spec = P(world.axis_name) if bn_mode == "local" else P()
 
     def local_fold(state: TrainState):
         bs = state.batch_stats
@@ -219,7 +226,7 @@ def make_fold_bn(world: World, bn_mode: str) -> Callable:
             folded = jax.tree_util.tree_map(lambda x: x[None], folded)
         return folded
 
-    return jax.shard_map(local_fold, mesh=world.mesh, in_specs=(state_specs(bn_mode),),
+    return jax.shard_map(local_fold, mesh=world.mesh, in_specs=(state_specs(bn_mode, world.axis_name),),
                          out_specs=spec)
 
 
@@ -238,7 +245,8 @@ def make_eval_step(model: nn.Module, world: World, bn_mode: str, folded: bool = 
     pass (the seed's VAL_RESULT_COMM).
     """
     collection = "bn_folded" if folded else "batch_stats"
-    bn_spec = P(DATA_AXIS) if bn_mode == "local" else P()
+    axis = world.axis_name
+    bn_spec = P(axis) if bn_mode == "local" else P()
 
     def local_eval(params, bn, batch, acc):
         if bn_mode == "local":
@@ -247,12 +255,13 @@ def make_eval_step(model: nn.Module, world: World, bn_mode: str, folded: bool = 
         return acc + batch_metrics(logits, batch["label"], batch["mask"])[None]
 
     return jax.shard_map(local_eval, mesh=world.mesh,
-                         in_specs=(P(), bn_spec, BATCH_SPEC, P(DATA_AXIS)),
-                         out_specs=P(DATA_AXIS))
+                         in_specs=(P(), bn_spec, batch_spec(axis), P(axis)),
+                         out_specs=P(axis))
 
 
 def make_eval_reduce(world: World) -> Callable:
     """Returns ``reduce(acc [N, 4]) -> [4]``: the one all-reduce of a validation
     pass, giving global ``loss_sum, top1, top5, count``."""
-    return jax.shard_map(lambda acc: collectives.allreduce_sums(acc[0], DATA_AXIS),
-                         mesh=world.mesh, in_specs=P(DATA_AXIS), out_specs=P())
+    axis = world.axis_name
+    return jax.shard_map(lambda acc: collectives.allreduce_sums(acc[0], axis),
+                         mesh=world.mesh, in_specs=P(axis), out_specs=P())

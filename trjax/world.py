@@ -19,6 +19,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DATA_AXIS = "data"
+"""The default name of the mesh's data axis (:func:`make_world`); code inside
+trjax reads the name from ``World.axis_name``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,7 +29,8 @@ class World:
 
     Attributes:
       devices: the selected devices, in rank order (rank r = ``devices[r]``).
-      mesh: a 1-D mesh over ``devices`` with axis name ``"data"``.
+      mesh: a 1-D mesh over ``devices``; its one axis, the data axis, is
+        ``axis_name`` (``"data"`` by default).
       global_batch_size: examples per optimizer step over all devices.
       local_batch_size: examples per step on one device
         (``global_batch_size // world_size``).
@@ -44,7 +47,9 @@ class World:
 
     @property
     def axis_name(self) -> str:
-        return DATA_AXIS
+        """The mesh's data axis: the global batch, the gradient all-reduce and
+        the BN statistics all-reduce run over it."""
+        return self.mesh.axis_names[0]
 
     def process_rows(self, global_batch: int | None = None) -> tuple[int, int]:
         """Rows ``[start, stop)`` of every global batch that this process feeds.
@@ -84,7 +89,7 @@ class World:
 
     def sharded(self) -> NamedSharding:
         """Sharding of a value split over devices along its leading axis."""
-        return NamedSharding(self.mesh, P(DATA_AXIS))
+        return NamedSharding(self.mesh, P(self.axis_name))
 
 
 def host_value(x) -> np.ndarray:
@@ -178,13 +183,15 @@ def check_batch_split(global_batch_size: int, world_size: int,
 
 
 def make_world(device_spec: str | int = "all", global_batch_size: int = 1,
-               devices: Sequence[jax.Device] | None = None) -> World:
+               devices: Sequence[jax.Device] | None = None,
+               axis_name: str = DATA_AXIS) -> World:
     """Selects devices, checks the batch split and builds the data mesh.
 
     Args:
       device_spec: see :func:`parse_device_spec`.
       global_batch_size: examples per step over all selected devices.
       devices: the pool to select from (default ``jax.devices()``).
+      axis_name: the name of the mesh's data axis.
 
     Returns:
       A :class:`World`.
@@ -196,6 +203,6 @@ def make_world(device_spec: str | int = "all", global_batch_size: int = 1,
     ids = parse_device_spec(device_spec, len(pool))
     local = check_batch_split(global_batch_size, len(ids))
     chosen = tuple(pool[i] for i in ids)
-    mesh = Mesh(np.array(chosen, dtype=object), (DATA_AXIS,))
+    mesh = Mesh(np.array(chosen, dtype=object), (axis_name,))
     return World(devices=chosen, mesh=mesh, global_batch_size=int(global_batch_size),
                  local_batch_size=local)

@@ -6,9 +6,9 @@ both kernel libraries, Eigen and YNNPACK):
 * a kernel window larger than its input (a 3x3 convolution on the 2x2 maps of
   ResNet-20's last stage on 8x8 digits): XLA's algebraic simplifier swaps the
   operands (the input becomes the "kernel"), and the swapped convolution, its
-  input gradient and its weight gradient run 4-5x slower than the same
-  arithmetic as a matrix multiply; 60x at 512 channels;
-* strided convolutions: 1.2-2x slower than the matrix multiply.
+  input gradient and its weight gradient run several times slower than the
+  same arithmetic as a matrix multiply;
+* strided convolutions: slower than the matrix multiply.
 
 :func:`conv_general_dilated` computes those two cases the way Caffe's
 ``im2col`` does (Jia et al., "Caffe: Convolutional Architecture for Fast
@@ -19,16 +19,13 @@ to ``[kh * kw * C, O]`` gives the output. Autodiff turns the views into pads
 and the concatenation into slices, so the gradients are matrix multiplies too.
 Every other convolution goes to ``lax.conv_general_dilated`` unchanged.
 (jax's own ``lax.conv_general_dilated_patches`` extracts the patches with a
-convolution against an identity kernel, so it keeps the slow path: fwd + bwd
-4.8 ms on the 2x2x64 case below, 9.4 ms on the stride-2 8x8x16 one.) The
+convolution against an identity kernel, so it keeps the slow path.) The
 sums are the same; only their order, so float rounding (~1e-6 relative in
 float32), differs.
 
-Measured on a 2-core CPU (fwd + bwd, float32, ms, batch 128 / 16):
-3x3 on 2x2x64: XLA 5.4 / 0.89, im2col 1.2 / 0.24; stride 2 on 8x8x16: XLA
-1.1 / 0.12, im2col 0.83 / 0.10; stride 1 on 8x8x16 (not routed): XLA 1.4 /
-0.31, im2col 1.9 / 0.42. The main job's train step (ResNet-20, digits, 8
-simulated devices): 51 -> 32 ms. ``docs/performance.md`` has the table.
+The measurements (per convolution, and the main job's train step) are in
+``docs/performance.md`` (third round, and the figures moved from this
+docstring).
 
 :class:`Im2colConv` plugs this into flax's ``nn.Conv`` through its
 ``conv_general_dilated_cls`` hook, so parameters, their names and their

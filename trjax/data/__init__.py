@@ -9,7 +9,8 @@ padding mask; :func:`prefetch` overlaps them with the devices' work;
 Modules: ``datasets`` (the sources and their registry: digits, CIFAR, MNIST,
 ImageFolder), ``formats`` (CIFAR pickles, IDX files), ``imagefolder``,
 ``augment`` (crops and flips, keyed per example), ``input_pipeline`` (batches,
-masks, worker processes, the host->device boundary), ``prefetch``.
+masks, worker processes, the host->device boundary), ``worker_errors`` (a
+worker's exception raised in the parent as itself), ``prefetch``.
 
 This package imports nothing else of trjax: models and steps never depend on it.
 """

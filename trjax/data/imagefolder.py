@@ -18,6 +18,12 @@ What people's real folders contain must not stop a run hours in:
   counted examples instead of errors.
 * A class folder without images, or no class folders, is an error naming the
   folder.
+* Names are text, whatever Unicode form the file system gives them: a class
+  folder's or file's name is compared and sorted by its NFC form
+  (:func:`text_key`), so the NFD names macOS may hand out and the NFC names
+  Linux keeps as typed give the same classes, the same label indices and the
+  same example order on every machine. Two names in one folder that are the
+  same text in two forms are an error naming both.
 
 This module imports no jax: the pipeline's worker processes use it.
 """
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import unicodedata
 from pathlib import Path
 from typing import Sequence
 
@@ -42,11 +49,56 @@ _DECODE_ERRORS = (UnidentifiedImageError, Image.DecompressionBombError, OSError,
 
 
 class BadImage(ValueError):
-    """A file that cannot be decoded; ``path`` names it."""
+    """A file that cannot be decoded; ``path`` names it, ``reason`` says why.
+
+    Pickles with both (worker processes send it to the parent): pickle's default
+    for exceptions would call ``BadImage(message)`` and fail.
+    """
 
     def __init__(self, path: str, reason: str):
         super().__init__(f"{path}: cannot decode image: {reason}")
-        self.path = path
+        self.path, self.reason = path, reason
+
+    def __reduce__(self):
+        return type(self), (self.path, self.reason), self.__dict__
+
+
+def text_key(name: str) -> str:
+    """A file or folder name as text: its NFC form (Unicode canonical composition).
+
+    Class folders and files are compared and sorted by it (code point order of
+    the NFC form; no locale): ``"e\\u0301"`` (NFD, as macOS file systems may
+    give it) and ``"\\u00e9"`` are the same name ``"\\u00e9"``.
+    """
+    return unicodedata.normalize("NFC", name)
+
+
+def _form(name: str) -> str:
+    for form in ("NFC", "NFD"):
+        if unicodedata.is_normalized(form, name):
+            return form
+    return "mixed form"
+
+
+def by_text(names: Sequence[str], folder, what: str) -> dict[str, str]:
+    """``{text_key(name): name}`` sorted by ``text_key``: each name as text -> as on disk.
+
+    Raises:
+      ValueError: two ``names`` (entries of ``folder``, ``what`` they are) that
+        are the same text in two Unicode forms: names both, as given and as
+        code points.
+    """
+    out: dict[str, str] = {}
+    for name in sorted(names):
+        key = text_key(name)
+        if key in out:
+            a, b = out[key], name
+            raise ValueError(
+                f"{what} {Path(folder) / a} and {Path(folder) / b} are the same name {key!r} "
+                f"in two Unicode forms ({_form(a)} {a!a}, {_form(b)} {b!a}); their order "
+                f"would depend on the file system: merge them or rename one")
+        out[key] = name
+    return dict(sorted(out.items()))
 
 
 def is_image_name(name: str) -> bool:
@@ -103,22 +155,45 @@ def _check(path: str) -> tuple[str, str] | None:
     return None
 
 
+def _given_classes(classes: Sequence[str]) -> list[str]:
+    out = [text_key(c) for c in classes]
+    twice = sorted({c for c in out if out.count(c) > 1})
+    if twice:
+        raise ValueError(f"classes {twice} are given more than once (as text, NFC)")
+    return out
+
+
 def _cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _class_dirs(root: Path) -> dict[str, str]:
+    """``root``'s class folders, ``{name as text: name on disk}`` (:func:`by_text`)."""
+    names = [e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith(".")]
+    return by_text(names, root, "class folders")
+
+
+def _image_files(folder: Path) -> list[str]:
+    """The listed files of one class folder (:func:`is_image_name`), in text order."""
+    names = [e.name for e in os.scandir(folder) if is_image_name(e.name) and e.is_file()]
+    return [str(folder / name) for name in by_text(names, folder, "files").values()]
 
 
 class ImageFolder:
     """``root/split/class_name/*`` images, listed once, decoded on demand.
 
-    Class index = position of the class folder's name in sorted order (pass
-    ``classes`` to index a split by another split's classes). Files are listed
-    once, sorted, at construction (see the module docstring for what is
+    Class index = position of the class folder's name in sorted order, names
+    compared as text (:func:`text_key`: NFC, code point order), so it is the
+    same on every machine and file system; pass ``classes`` to index a split by
+    another split's classes. Files are listed once, in the same text order
+    within each class, at construction (see the module docstring for what is
     listed); nothing is decoded until :meth:`image`.
 
     Attributes:
       root: the split directory ``root/split``.
-      classes: the sorted class names.
-      paths: one path per example; ``labels``: ``[N] int32`` class indices.
+      classes: the class names, NFC, sorted (the folders on disk may hold
+        another form).
+      paths: one path per example, as on disk; ``labels``: ``[N] int32`` class indices.
       skip_bad_images: whether the pipeline skips undecodable files (mask-0
         rows, counted) instead of stopping.
       skipped: paths left out by :meth:`verified`.
@@ -126,7 +201,9 @@ class ImageFolder:
     Raises:
       FileNotFoundError: ``root/split`` does not exist.
       ValueError: no class folders, class folders without images (names
-        them), or a class folder not in ``classes``.
+        them), a class folder not in ``classes``, ``classes`` naming one class
+        twice, or two class folders (or two files of one class) that are the
+        same name in two Unicode forms (names both).
     """
 
     def __init__(self, root, split: str, *, classes: Sequence[str] | None = None,
@@ -136,26 +213,25 @@ class ImageFolder:
                 raise FileNotFoundError(f"{d} {'is not a directory' if d.exists() else 'does not exist'}: "
                                         f"{_EXPECTED}")
         self.root = Path(root) / split
-        dirs = sorted(e.name for e in os.scandir(self.root) if e.is_dir() and not e.name.startswith("."))
+        dirs = _class_dirs(self.root)
         if not dirs:
             raise ValueError(f"{self.root} has no class directories: {_EXPECTED}")
-        self.classes = list(dirs if classes is None else classes)
+        self.classes = list(dirs) if classes is None else _given_classes(classes)
         index = {name: i for i, name in enumerate(self.classes)}
         unknown = [d for d in dirs if d not in index]
         if unknown:
             raise ValueError(f"{self.root}: class directories {unknown} are not among the given "
                              f"{len(self.classes)} classes")
         paths, labels, empty = [], [], []
-        for d in dirs:
-            files = sorted(e.path for e in os.scandir(self.root / d)
-                           if is_image_name(e.name) and e.is_file())
+        for name, on_disk in dirs.items():
+            files = _image_files(self.root / on_disk)
             if not files:
-                empty.append(str(self.root / d))
+                empty.append(str(self.root / on_disk))
             paths += files
-            labels += [index[d]] * len(files)
+            labels += [index[name]] * len(files)
         if not paths:
             raise ValueError(f"{self.root} holds no images ({'/'.join(IMAGE_EXTENSIONS)}) in its "
-                             f"class directories {dirs}")
+                             f"class directories {list(dirs)}")
         if empty:
             raise ValueError(f"class directories without images ({'/'.join(IMAGE_EXTENSIONS)}): "
                              f"{empty}")
@@ -212,5 +288,5 @@ class ImageFolder:
         out.__dict__.update(self.__dict__)
         out.paths = tuple(self.paths[i] for i in keep)
         out.labels = self.labels[keep]
-        out.skipped = tuple(sorted(bad_paths))
+        out.skipped = tuple(p for p in self.paths if p in bad_paths)  # listing order
         return out

@@ -20,8 +20,11 @@ Workers. Decoded sources (ImageFolder) are prepared in ``workers`` processes
 with grain (``pip install 'trjax[grain]'``; ``MapDataset.range(start, steps)
 .map(batch).mp_prefetch(...)``: each worker builds whole batches, delivered
 in order through shared memory); ``workers=0`` builds them in this process,
-with identical results. In-memory sets are always gathered in-process
-(a gather is microseconds; workers would copy the arrays).
+with identical results, and the same errors: an exception raised in a worker
+comes back as a value (:mod:`trjax.data.worker_errors`) and is raised here with
+its type, message and attributes (a :class:`BadImage` names the file and the
+reason), the worker's traceback in a note. In-memory sets are always gathered
+in-process (a gather is microseconds; workers would copy the arrays).
 
 uint8 to the device. Images stay uint8 on the host and in the transfer (4x
 fewer bytes than float32); the compiled step standardises them with
@@ -38,11 +41,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from trjax.data import augment
+from trjax.data import augment, worker_errors
 from trjax.data.datasets import (DATASETS, LOADERS, Dataset, Split, load_dataset,  # noqa: F401
                             load_digits)  # re-exported: the pipeline's callers need one import
-from trjax.data.imagefolder import BadImage
+from trjax.data.imagefolder import BadImage, text_key
 from trjax.data.prefetch import prefetch  # noqa: F401  (the pipeline's last host stage)
+from trjax.data.worker_errors import WorkerError  # noqa: F401  (raised by iterate_batches)
 
 REMAINDERS = ("pad", "drop")
 
@@ -83,6 +87,11 @@ class BatchMaker:
     A pure function of its fields and ``b`` (picklable: worker processes run it).
     The batch also holds ``"skipped"``: the paths of undecodable files whose
     rows were masked out (sources with ``skip_bad_images``).
+
+    Raises:
+      BadImage: an undecodable file, without ``skip_bad_images``.
+      Exception: any other error while reading or cropping an on-demand
+        example, with a note naming the example (and its file).
     """
 
     def __init__(self, split, order: np.ndarray, global_batch: int, rows: tuple[int, int], *,
@@ -112,19 +121,29 @@ class BatchMaker:
             images = np.zeros((size, s, s, 3), np.uint8)
             for k, i in enumerate(idx):
                 try:
-                    img = self.split.image(int(i))
+                    images[k] = self._example(int(i), rngs[k] if rngs else None)
                 except BadImage as e:
                     if not self.split.skip_bad_images:
                         raise
                     mask[k] = 0.0
                     skipped.append(e.path)
-                    continue
-                images[k] = augment.train_crop(img, rngs[k], s) if self.augment \
-                    else augment.eval_crop(img, s)
         index = np.full(size, -1, np.int64)
         index[:len(idx)] = idx
         return {"image": images, "label": labels, "mask": mask, "index": index,
                 "skipped": tuple(skipped)}
+
+    def _example(self, i: int, rng) -> np.ndarray:
+        """Example ``i`` of an on-demand source, decoded and cropped."""
+        try:
+            img = self.split.image(i)
+            s = self.image_size
+            return augment.train_crop(img, rng, s) if self.augment else augment.eval_crop(img, s)
+        except BadImage:
+            raise
+        except Exception as e:
+            paths = getattr(self.split, "paths", ())
+            e.add_note(f"while reading example {i}" + (f": {paths[i]}" if i < len(paths) else ""))
+            raise
 
 
 def available_cores() -> int:
@@ -202,7 +221,11 @@ def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
       dtype); ``index`` is each row's example index in ``split`` (-1 on padding).
 
     Raises:
-      BadImage (a ValueError): an undecodable file, naming it, without ``skip_bad_images``.
+      BadImage (a ValueError): an undecodable file, naming it and the reason,
+        without ``skip_bad_images``; with worker processes too, as the same type
+        and message. Any other error of a worker is raised here as its own type
+        too (:mod:`trjax.data.worker_errors`; a :class:`WorkerError` naming the
+        type where the type cannot be rebuilt here).
     """
     n = len(split.labels)
     lo, hi = rows if rows is not None else (0, global_batch)
@@ -217,13 +240,15 @@ def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
         source, close = map(maker, range(start, steps)), None
     else:
         grain = _grain()
-        ds = grain.MapDataset.range(start, steps).map(maker).to_iter_dataset(
-            grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+        ds = grain.MapDataset.range(start, steps).map(worker_errors.Catching(maker))
+        ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
         source = iter(ds.mp_prefetch(grain.MultiprocessingOptions(
             num_workers=min(num_workers, steps - start), per_worker_buffer_size=2)))
         close = getattr(source, "close", None)
     try:
         for batch in source:
+            if isinstance(batch, worker_errors.Failure):
+                raise batch.rebuild()
             if skipped is not None:
                 skipped.update(batch["skipped"])
             yield {k: np.asarray(batch[k]) for k in ("image", "label", "mask", "index")}
@@ -235,11 +260,12 @@ def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
 def skipped_images(data: Dataset, seen: Iterable[str] = ()) -> list[str]:
     """Every file a run skipped: left out by the verify pass (``source.skipped``)
     or masked out while iterating (``seen``, the set given to :func:`iterate_batches`).
-    Sorted, unique: ``len()`` is the count for ``summary.json``."""
+    Unique, sorted as text (:func:`trjax.data.imagefolder.text_key`, the same on every
+    file system): ``len()`` is the count for ``summary.json``."""
     out = set(seen)
     for split in (data.train, data.val):
         out.update(getattr(split, "skipped", ()))
-    return sorted(out)
+    return sorted(out, key=lambda p: (text_key(p), p))
 
 
 # ---------------------------------------------------------------------------

@@ -1,9 +1,17 @@
 """Checkpoints with orbax: the whole train state plus where the data stream stands.
 
-A checkpoint at step s holds the :class:`trjax.state.TrainState` (parameters,
-optimizer state, BN statistics, step, skipped steps, loss scale) and a JSON
-``meta`` item: epoch, batch index inside the epoch, seed and the config fields
-that must not change across a resume. The data order is a pure function of
+A checkpoint at step s is an orbax checkpoint of two items. ``state`` is the
+:class:`trjax.state.TrainState` as a plain pytree,
+``flax.serialization.to_state_dict`` of it (``params``, ``batch_stats``,
+``opt_state``, ``step``, ``skipped_steps``, ``loss_scale``, ``good_steps``,
+``comm_state``), one stored array per leaf: orbax alone restores it by name,
+``ocp.CheckpointManager(d).restore(s, args=ocp.args.Composite(state=
+ocp.args.StandardRestore(abstract_state_dict)))``. ``meta`` is JSON: epoch,
+batch index inside the epoch, seed and the config fields that must not change
+across a resume; the CRC-32 of every leaf's bytes, keyed by the leaf's
+'/'-joined path (:data:`CHECKSUMS_KEY`); and the shape and dtype of every
+zero-size leaf (:data:`EMPTY_KEY`: orbax refuses to store an empty array, so the
+state item holds ``None`` in its place). The data order is a pure function of
 ``(seed, epoch)``, so ``(seed, epoch, batch)`` is the whole data/RNG position.
 
 Orbax writes each checkpoint into a temporary directory and renames it when
@@ -14,34 +22,34 @@ is complete).
 Saves are asynchronous by default (:func:`save`): the training thread copies
 the state to host memory (numpy: the train step donates the state's device
 buffers to the next step, so the writer must not read them) and hands the copy
-to orbax, whose background thread writes it while training goes on.
-
-The host copy is packed (:func:`trjax.packing.pack`): one flat array per dtype (``state``
-item: ``{"float32": [n], "int32": [m], ...}``) and, in the ``meta`` item, the
-layout that names every leaf (its path in the state dict, shape, dtype and
-offset), as DeepSpeed's ZeRO checkpoints keep flat fp32 groups beside a map of
-parameter shapes. The meta also holds each flat array's CRC-32
-(:func:`trjax.packing.checksums`): a damaged byte of the stored arrays makes the
-checkpoint unreadable instead of restoring another value. Orbax's cost grows
-with the leaf count (about 0.4 ms of CPU per leaf and save, against about 25 ms
-per save: ``scripts/bench_checkpoint.py``):
-the default job's state has 177 leaves and 2 MB, so packed saves cost a third of
-the CPU, which on a small host is taken from the training steps. :func:`read`
-returns a checkpoint's state dict by name without a train state; checkpoints
-written leaf by leaf (multi-process sharded states, and trjax before the packing)
-restore as before. Handing orbax host arrays also spares it the replica-parallel slicing
-of replicated device arrays, which compiled ~96 small programs on the first
-save of the default job. :func:`finish` waits for the save in flight (before
-exit, before reading the checkpoints back). Arrays are stored as global (replicated) arrays: the layout does not
-depend on the device count, and a checkpoint written on 8 devices restores on
-4 or 1 (``local`` BN mode, whose statistics have one row per replica, is the
+to orbax, whose background thread writes it while training goes on; in a
+single process orbax's ``save`` call itself runs on the manager's own thread.
+Handing orbax host arrays also spares it the replica-parallel slicing of
+replicated device arrays, which compiles a small program per leaf on the first
+save. A state with leaves sharded across several processes has no host copy:
+its device arrays are saved, the save completes before :func:`save` returns,
+and the checkpoint carries no checksums. :func:`finish` waits for the save in
+flight (before exit, before reading the checkpoints back). Arrays are stored as
+global (replicated) arrays: the checkpoint does not depend on the device
+count, and one written on 8 devices restores on 4 or 1, each leaf placed with
+the sharding of the run's own state (per-device state, one row per replica --
+``local`` BN statistics, compression error feedback, ZeRO-1 shards -- is the
 exception: it restores on the same world size only).
 
+Integrity: orbax's stored chunks carry no checksum of their own, so a damaged
+byte on disk would restore as another value. A restore compares every leaf
+with its CRC-32 in the meta: a mismatch (or a leaf without its checksum) makes
+the checkpoint unreadable (:class:`DamagedCheckpoint`).
+
 Resume policy: :func:`restore_latest` tries the newest checkpoint first; one
-that cannot be read (truncated, corrupt, a packed layout that is not one
-:func:`trjax.packing.pack` writes) is reported and left untouched, and
-the next older one is tried. A readable checkpoint whose config does not match
-is an error (no silent fallback: resuming it would be wrong).
+that cannot be read (truncated, corrupt, a checksum that does not match) is
+reported and the next older one is tried; once one restores, the unreadable
+newer ones are renamed ``<step>.unreadable`` (kept for inspection). A readable
+checkpoint whose config does not match, or whose leaves do not fit the run's
+state, is an error (no silent fallback: resuming it would be wrong); so is one
+in trjax's former packed format (one flat array per dtype, its layout in the
+meta under ``"state_layout"``), which this trjax does not read.
+:func:`read` returns a checkpoint's state dict by name without a train state.
 """
 
 from __future__ import annotations
@@ -49,7 +57,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import functools
+import math
 import os
+import zlib
 
 import flax
 import flax.serialization
@@ -57,12 +67,29 @@ import flax.traverse_util
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
-from trjax import packing
+from trjax import aot
 from trjax.world import host_value
 
 COMPATIBLE_FIELDS = ("model", "bn_mode", "global_batch_size", "dataset", "optimizer",
                      "precision", "seed", "buckets", "compression", "shard_optimizer_state")
+CHECKSUMS_KEY = "state_crc32"
+"""The ``meta`` key of the leaves' checksums: ``{"params/conv/kernel": zlib.crc32, ...}``."""
+EMPTY_KEY = "state_empty_leaves"
+"""The ``meta`` key of the zero-size leaves: ``{path: [shape, dtype name]}``."""
+PACKED_FORMAT_KEY = "state_layout"
+"""The ``meta`` key that marks a checkpoint in trjax's former packed format."""
+
+
+class DamagedCheckpoint(ValueError):
+    """A checkpoint's stored leaves are not those saved (their CRC-32 in the
+    meta does not match, or a leaf and its checksum do not pair up)."""
+
+
+class DoesNotFit(ValueError):
+    """A readable checkpoint whose leaves are not those of the run's state
+    (another model or world): missing or extra leaves, other shapes or dtypes."""
 
 
 class Manager(ocp.CheckpointManager):
@@ -70,10 +97,10 @@ class Manager(ocp.CheckpointManager):
 
     With asynchronous saves in a single process, :func:`save` calls orbax's
     ``save`` on a thread of its own (``handoff``), so that the training thread
-    returns as soon as the host copy is taken: the call itself (directories,
-    metadata, orbax's threads and event loop) took 9-16 ms of the training
-    thread per save. Several processes call it on the training thread, in step
-    order: a save's commit is a barrier across them."""
+    returns as soon as the host copy is taken (the call itself creates
+    directories and metadata and starts orbax's threads and event loop).
+    Several processes call it on the training thread, in step order: a save's
+    commit is a barrier across them."""
 
     def __init__(self, directory: str, options: ocp.CheckpointManagerOptions, handoff: bool):
         super().__init__(directory, options=options)
@@ -141,17 +168,60 @@ def host_copy(state) -> dict:
                                   flax.serialization.to_state_dict(state))
 
 
-def _start_copies_to_host(state) -> None:
+def _start_copies_to_host(tree) -> None:
     """Every leaf's device-to-host transfer in flight before the first is waited on."""
-    for x in jax.tree_util.tree_leaves(state):
+    for x in jax.tree_util.tree_leaves(tree):
         if isinstance(x, jax.Array):
             x.copy_to_host_async()
 
 
-LAYOUT_KEY = "state_layout"
-"""The ``meta`` key of a packed checkpoint's layout (:func:`trjax.packing.pack`)."""
-CHECKSUMS_KEY = "state_checksums"
-"""The ``meta`` key of a packed checkpoint's array checksums (:func:`trjax.packing.checksums`)."""
+def checksums(state_dict: dict) -> dict:
+    """The CRC-32 of every array leaf's bytes (C order), keyed by its path.
+
+    Args:
+      state_dict: nested dicts of arrays (numpy, or jax arrays: a leaf sharded
+        across processes is gathered first, a collective every process must
+        call), empty dicts and ``None``.
+
+    Returns:
+      ``{"params/conv/kernel": zlib.crc32(bytes), ...}`` (ints; a zero-size
+      leaf's is 0). Empty dicts and ``None`` have none.
+    """
+    _start_copies_to_host(state_dict)
+    return {k: zlib.crc32(np.ascontiguousarray(_on_host(x)).reshape(-1).view(np.uint8))
+            for k, x in _leaves(state_dict).items() if _kind(x) == "an array"}
+
+
+def _on_host(x) -> np.ndarray:
+    if isinstance(x, jax.Array) and not (x.is_fully_addressable or x.is_fully_replicated):
+        from jax.experimental import multihost_utils
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
+def _leaves(tree: dict) -> dict:
+    """``{"a/b": leaf}``, empty dicts kept (``flax.traverse_util.empty_node``)."""
+    return flax.traverse_util.flatten_dict(tree, keep_empty_nodes=True, sep="/")
+
+
+def _kind(leaf) -> str:
+    if leaf is flax.traverse_util.empty_node:
+        return "an empty dict"
+    return "None" if leaf is None else "an array"
+
+
+def _is_empty_array(x) -> bool:
+    return _kind(x) == "an array" and math.prod(np.shape(x)) == 0
+
+
+def _without_empty(tree: dict) -> tuple[dict, dict]:
+    """``tree`` with its zero-size arrays as ``None`` (orbax refuses to store
+    them), and their ``{path: [shape, dtype name]}``."""
+    leaves = _leaves(tree)
+    empty = {k: [list(np.shape(x)), np.dtype(x.dtype).name]
+             for k, x in leaves.items() if _is_empty_array(x)}
+    kept = {k: None if k in empty else x for k, x in leaves.items()}
+    return flax.traverse_util.unflatten_dict(kept, sep="/"), empty
 
 
 def _host_copy_possible(state) -> bool:
@@ -162,24 +232,26 @@ def _host_copy_possible(state) -> bool:
 def save(mngr: Manager, state, meta: dict) -> None:
     """Saves ``state`` and ``meta`` (JSON-able) under ``int(state.step)``.
 
-    The state is copied to host memory first and packed (:func:`trjax.packing.pack`; its
-    layout goes into ``meta`` under :data:`LAYOUT_KEY`), so the caller may
-    donate ``state`` to the next step as soon as this returns. With
-    an asynchronous manager the files are written on orbax's background thread
-    and the call returns once the copy is taken (single-process: orbax's
-    ``save`` itself is called on the manager's ``handoff`` thread; it first
-    waits for the previous save, if still in flight); a failed background
-    write raises at the next :func:`save` or :func:`finish`. Leaves of a multi-process sharded
-    state have no local host copy: they are saved as device arrays, and the
-    save is completed before returning.
+    The state is copied to host memory first (:func:`host_copy`), so the
+    caller may donate ``state`` to the next step as soon as this returns; the
+    copy's :func:`checksums` go into ``meta`` under :data:`CHECKSUMS_KEY`, its
+    zero-size leaves under :data:`EMPTY_KEY`. With an asynchronous manager the
+    files are written on orbax's background thread and the call returns once
+    the copy is taken (single-process: orbax's ``save`` itself is called on
+    the manager's ``handoff`` thread; it first waits for the previous save, if
+    still in flight); a failed background write raises at the next
+    :func:`save` or :func:`finish`. Leaves of a multi-process sharded state
+    have no local host copy: they are saved as device arrays, without
+    checksums, and the save is completed before returning.
     """
     step = int(host_value(state.step))
     if _host_copy_possible(state):
-        _start_copies_to_host(state)
-        tree, layout = packing.pack(flax.serialization.to_state_dict(state))
-        meta, wait = {**meta, LAYOUT_KEY: layout, CHECKSUMS_KEY: packing.checksums(tree)}, False
+        tree = host_copy(state)
+        meta, wait = {**meta, CHECKSUMS_KEY: checksums(tree)}, False
     else:
         tree, wait = flax.serialization.to_state_dict(state), True
+    tree, empty = _without_empty(tree)
+    meta = {**meta, EMPTY_KEY: empty} if empty else meta
     wait_handed_off(mngr)  # saves start in step order; the previous one's error is raised here
     args = ocp.args.Composite(state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(meta))
     if getattr(mngr, "handoff", None) is not None and not wait:
@@ -205,28 +277,113 @@ def finish(mngr: Manager) -> None:
         mngr.wait_until_finished()
 
 
-def _abstract(state):
-    return jax.tree_util.tree_map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-        flax.serialization.to_state_dict(state))
-
-
 def _read_meta(mngr: ocp.CheckpointManager, step: int) -> dict:
     return mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
 
 
-def _read_packed(mngr: ocp.CheckpointManager, step: int, meta: dict) -> dict | None:
-    """The state dict of a packed checkpoint (host arrays, checked against its
-    layout and checksums), or ``None`` for one written leaf by leaf.
+def _check_format(path: str, meta: dict) -> None:
+    """Raises ``ValueError`` for a checkpoint in trjax's former packed format."""
+    if PACKED_FORMAT_KEY in meta:
+        raise ValueError(
+            f"checkpoint {path} is in trjax's packed format (trjax < 0.2, meta "
+            f"'{PACKED_FORMAT_KEY}'); this trjax reads plain orbax pytrees: resume it with "
+            "the trjax that wrote it, or start a new workdir")
+
+
+def _stored_leaves(path: str, meta: dict) -> dict:
+    """What the ``state`` item of the checkpoint at ``path`` holds, from
+    orbax's metadata (no array is read):
+    ``{path: ShapeDtypeStruct | None | empty_node}``, zero-size leaves included.
 
     Raises:
-      trjax.packing.DamagedCheckpoint: see :func:`trjax.packing.unpack`.
+      DamagedCheckpoint: the meta's zero-size leaves are not where it stored ``None``.
     """
-    if LAYOUT_KEY not in meta:
-        return None
-    flat = mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(packing.template(meta[LAYOUT_KEY]))))["state"]
-    return packing.unpack(flat, meta[LAYOUT_KEY], meta.get(CHECKSUMS_KEY))
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        tree = handler.metadata(epath.Path(path) / "state").tree
+    finally:
+        handler.close()
+    leaves = {k: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) if _kind(x) == "an array" else x
+              for k, x in _leaves(tree).items()}
+    for k, (shape, dtype) in meta.get(EMPTY_KEY, {}).items():
+        if leaves.get(k, 0) is not None:  # save stores None in a zero-size leaf's place
+            raise DamagedCheckpoint(f"checkpoint {path}: its meta's {EMPTY_KEY} names {k}, "
+                                    "not a None leaf of the state item (a damaged checkpoint)")
+        leaves[k] = jax.ShapeDtypeStruct(tuple(shape), jax.numpy.dtype(dtype))
+    return leaves
+
+
+def _check_fits(path: str, stored: dict, want: dict) -> None:
+    """Raises :class:`DoesNotFit` naming ``path``, the first leaf and both
+    sides unless ``stored`` and ``want`` (:func:`_leaves`) hold the same leaves."""
+    missing, extra = sorted(set(want) - set(stored)), sorted(set(stored) - set(want))
+    if missing or extra:
+        raise DoesNotFit(f"checkpoint {path} does not fit this model/world: leaves missing "
+                         f"{missing[:5]}, not in this state {extra[:5]}")
+    for k, x in want.items():
+        v = stored[k]
+        if _kind(x) != _kind(v):
+            raise DoesNotFit(f"checkpoint {path} does not fit this model/world: {k} is "
+                             f"{_kind(v)} in the checkpoint, {_kind(x)} in this run")
+        if _kind(x) == "an array" and (tuple(v.shape) != tuple(np.shape(x)) or
+                                       np.dtype(v.dtype) != np.dtype(x.dtype)):
+            raise DoesNotFit(f"checkpoint {path} does not fit this model/world: {k} is "
+                             f"{np.dtype(v.dtype)}{list(v.shape)} in the checkpoint, "
+                             f"{np.dtype(x.dtype)}{list(np.shape(x))} in this run")
+
+
+def _read_state(mngr: ocp.CheckpointManager, step: int, path: str, meta: dict,
+                want: dict | None) -> dict:
+    """The ``state`` item as ``want`` (a state dict of arrays or
+    ``ShapeDtypeStruct``: each leaf gets its sharding, numpy without one;
+    ``None``: numpy, as stored), checked against the meta's checksums.
+
+    Raises:
+      DoesNotFit: ``want``'s leaves are not the stored ones.
+      DamagedCheckpoint: a leaf's bytes are not those saved.
+      (orbax's errors): a truncated or corrupt checkpoint.
+    """
+    stored = _stored_leaves(path, meta)
+    if want is None:
+        want = flax.traverse_util.unflatten_dict(stored, sep="/")
+    _check_fits(path, stored, _leaves(want))
+    abstract = aot.abstract(_without_empty(want)[0])
+    tree = mngr.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract)))["state"]
+    tree = _with_empty(tree, want)
+    _verify(path, tree, meta)
+    return tree
+
+
+def _with_empty(tree: dict, like: dict) -> dict:
+    """``tree`` with ``like``'s zero-size leaves put back (``None`` on disk),
+    on ``like``'s sharding where it has one."""
+    leaves = _leaves(tree)
+    for k, x in _leaves(like).items():
+        if _is_empty_array(x):
+            zeros = np.zeros(np.shape(x), x.dtype)
+            sharding = getattr(x, "sharding", None)
+            leaves[k] = zeros if sharding is None else jax.make_array_from_callback(
+                zeros.shape, sharding, lambda i, z=zeros: z[i])
+    return flax.traverse_util.unflatten_dict(leaves, sep="/")
+
+
+def _verify(path: str, tree: dict, meta: dict) -> None:
+    """Raises :class:`DamagedCheckpoint` unless every array leaf of ``tree``
+    has the CRC-32 the meta holds for it (saves of device arrays hold none:
+    nothing is checked)."""
+    if CHECKSUMS_KEY not in meta:
+        return
+    saved, have = meta[CHECKSUMS_KEY], checksums(tree)
+    if not isinstance(saved, dict):
+        raise DamagedCheckpoint(f"checkpoint {path}: its meta's {CHECKSUMS_KEY} is a "
+                                f"{type(saved).__name__}, not a dict (a damaged checkpoint)")
+    bad = sorted(k for k in set(saved) | set(have) if saved.get(k) != have.get(k))
+    if bad:
+        raise DamagedCheckpoint(
+            f"checkpoint {path}: the stored bytes of {bad[:5]} are not those saved (CRC-32 "
+            f"{[have.get(k) for k in bad[:5]]} vs {[saved.get(k) for k in bad[:5]]} in its "
+            "meta: a damaged checkpoint)")
 
 
 def newest_meta(mngr: ocp.CheckpointManager) -> tuple[str, dict] | None:
@@ -245,19 +402,34 @@ def newest_meta(mngr: ocp.CheckpointManager) -> tuple[str, dict] | None:
 
 def check_compatible(mngr: ocp.CheckpointManager, expect: dict, log=print) -> None:
     """Raises ``ValueError`` if the newest readable checkpoint was written with
-    other ``expect`` values (called before anything is compiled)."""
+    other ``expect`` values, or is in trjax's former packed format (called
+    before anything is compiled)."""
     newest = newest_meta(mngr)
     if newest is not None:
+        _check_format(*newest)
         _check_meta(*newest, expect)
 
 
+DATA_KEYS = ("train_examples", "train_fingerprint")
+"""The ``expect`` keys that say what a data position means
+(:func:`trjax.train.trainer.data_identity`)."""
+
+
 def _check_meta(path: str, meta: dict, expect: dict) -> None:
+    """Raises ``ValueError`` naming every ``expect`` key the checkpoint's meta
+    differs in (the checkpoint's value and this run's), and the way out."""
     diff = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
-    if diff:
-        raise ValueError(f"checkpoint {path} is incompatible with this config: " +
-                         ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}"
-                                   for k, (a, b) in diff.items()) +
-                         "; use another workdir or the same settings")
+    if not diff:
+        return
+    named = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
+    if set(diff) & set(DATA_KEYS):
+        raise ValueError(f"checkpoint {path} counts its data position in other training data: "
+                         f"{named}; the training data changed since the checkpoint (files added, "
+                         "deleted or relabelled), so its (epoch, batch) position would point at "
+                         "other examples. Restore the training data the run started with, or "
+                         "start a new run in another workdir")
+    raise ValueError(f"checkpoint {path} is incompatible with this config: {named}; use "
+                     "another workdir or the same settings")
 
 
 def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print):
@@ -266,7 +438,8 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
     Args:
       mngr: from :func:`manager`.
       target: a train state on the current world (only shapes, dtypes and
-        shardings are used; its buffers are not read).
+        shardings are used; its buffers are not read). Its jax array leaves
+        come back on their shardings, its numpy leaves as numpy arrays.
       expect: config fields that must match the checkpoint's ``meta``.
       log: where to report skipped (unreadable) checkpoints.
 
@@ -274,8 +447,10 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
       ``(state, meta)``, or ``None`` if there is no checkpoint.
 
     Raises:
-      ValueError: the checkpoint was written with other ``expect`` values or
-        other array shapes (names the directory and the mismatch).
+      ValueError: the checkpoint was written with other ``expect`` values, or
+        is in trjax's former packed format; :class:`DoesNotFit` (a
+        ``ValueError``): its leaves are not ``target``'s (names the directory,
+        the leaf and both shapes).
       RuntimeError: checkpoints exist but none is readable.
     """
     wait_handed_off(mngr)
@@ -290,6 +465,7 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
         log(f"checkpoint {path} is unreadable ({type(e).__name__}: {str(e)[:200]}); "
             "trying an older one")
 
+    want = flax.serialization.to_state_dict(target)
     for step in all_steps:
         path = os.path.join(str(mngr.directory), str(step))
         try:
@@ -297,21 +473,17 @@ def restore_latest(mngr: ocp.CheckpointManager, target, expect: dict, log=print)
         except Exception as e:
             unreadable(path, e)
             continue
+        _check_format(path, meta)
         _check_meta(path, meta, expect)
         try:
-            packed = _read_packed(mngr, step, meta)  # host arrays, placed on the devices below
-            leaves = None if packed is not None else mngr.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(_abstract(target))))["state"]  # onto the devices
+            tree = _read_state(mngr, step, path, meta, want)
+        except DoesNotFit:
+            raise
         except Exception as e:
-            if isinstance(e, ValueError) and not isinstance(e, packing.DamagedCheckpoint) and (
-                    "shape" in str(e).lower() or "mismatch" in str(e).lower()):
-                raise ValueError(f"checkpoint {path} does not fit this model/world: {e}") from e
             unreadable(path, e)
             continue
-        restored = (packing.place(target, packed, path) if packed is not None  # ValueError:
-                    else flax.serialization.from_state_dict(target, leaves))  # another model
         _move_aside(mngr, bad, log)
-        return restored, meta
+        return flax.serialization.from_state_dict(target, tree), meta
     raise RuntimeError("no readable checkpoint in " + str(mngr.directory) + ":\n  " +
                        "\n  ".join(errors) + "\nmove them elsewhere (or delete them) to start "
                        "the run over, or restore a copy")
@@ -328,10 +500,13 @@ def read(directory: str, step: int | None = None) -> tuple[dict, dict]:
     Returns:
       ``(state_dict, meta)``: nested dicts as
       ``flax.serialization.to_state_dict(TrainState)`` gives them (``params``,
-      ``batch_stats``, ``opt_state``, ``step``, ...), and the meta item.
+      ``batch_stats``, ``opt_state``, ``step``, ...) of numpy arrays of the
+      stored shapes and dtypes, and the meta item.
 
     Raises:
       FileNotFoundError: no checkpoint (at ``step``) in ``directory``.
+      ValueError: the checkpoint is in trjax's former packed format.
+      DamagedCheckpoint: a leaf's bytes are not those saved.
     """
     mngr = ocp.CheckpointManager(os.path.abspath(directory))
     steps = mngr.all_steps()
@@ -340,12 +515,10 @@ def read(directory: str, step: int | None = None) -> tuple[dict, dict]:
     if step not in steps:
         raise FileNotFoundError(f"no checkpoint {'' if step is None else step} in {directory} "
                                 f"(steps there: {sorted(steps)})")
+    path = os.path.join(str(mngr.directory), str(step))
     meta = _read_meta(mngr, step)
-    packed = _read_packed(mngr, step, meta)
-    if packed is not None:
-        return packed, meta
-    return mngr.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore()))["state"], meta
+    _check_format(path, meta)
+    return _read_state(mngr, step, path, meta, None), meta
 
 
 def _move_aside(mngr: ocp.CheckpointManager, paths: list[str], log) -> None:

@@ -25,6 +25,17 @@ builds on other threads (an asynchronous checkpoint writer) are filed under
 ``"background"``. Source of the event names: ``jax/_src/dispatch.py``,
 ``jax/_src/compiler.py`` (``compile_or_get_cached``),
 ``jax/_src/compilation_cache.py``.
+
+Damaged entries. jax's file cache (``jax/_src/lru_cache.py``) writes an entry
+in place, so a process killed while writing (or a full disk) leaves a
+truncated file. jax reads it, fails to decompress or load it, warns ("Error
+reading persistent compilation cache entry"), compiles, and asks the cache to
+store the result; the file cache skips a store whose file exists, so the
+damaged entry would stay and every later start would compile again.
+:func:`configure_cache` wraps jax's cache so that such a store (the same key,
+after a read that returned bytes, on the same thread) first removes the
+file: jax writes it anew, and the repair is counted (``damaged``). Only the
+process that writes entries (process 0) repairs them.
 """
 
 from __future__ import annotations
@@ -41,10 +52,19 @@ import warnings
 import jax
 from jax.experimental.compilation_cache import compilation_cache as jax_cache
 
+try:  # jax's cache internals, for the repair of damaged entries (skipped without them)
+    from jax._src import compilation_cache as _jax_cc
+    from jax._src import lru_cache as _jax_lru
+    from jax._src.compilation_cache_interface import CacheInterface as _CacheInterface
+except ImportError:  # another jax layout: no repair
+    _jax_cc = None
+    _CacheInterface = object
+
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 CACHE_LOOKUP_EVENT = "/jax/compilation_cache/compile_requests_use_cache"
 CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
 CACHE_WRITE_EVENT = "/jax/compilation_cache/cache_misses"  # recorded when an entry is written
+DAMAGED_EVENT = "/trjax/compilation_cache/damaged_entries"  # trjax's: one entry repaired
 BACKGROUND = "background"
 
 
@@ -122,10 +142,74 @@ def configure_cache(enabled: bool = True, directory: str = "") -> dict:
         jax.config.update("jax_enable_compilation_cache", True)
         jax.config.update("jax_compilation_cache_dir", path)
         jax_cache.reset_cache()  # a cache opened on another directory would be kept otherwise
+    _repair_damaged_entries()
     return {"dir": path, "source": source}
 
 
-def program_key(name: str) -> str:
+class _RepairingCache(_CacheInterface):
+    """jax's persistent cache, removing a damaged entry before jax stores it again.
+
+    jax calls ``get`` and, when the bytes it got cannot be loaded, compiles
+    and calls ``put`` with the same key on the same thread; a ``put`` after a
+    ``get`` that returned bytes is therefore a damaged entry (a loaded one is
+    never stored again).
+    """
+
+    def __init__(self, base):
+        self._base = base
+        self._local = threading.local()
+
+    @property
+    def _path(self):
+        return self._base._path
+
+    def _loaded(self) -> set:
+        """Keys whose last ``get`` on this thread returned bytes."""
+        if not hasattr(self._local, "keys"):
+            self._local.keys = set()
+        return self._local.keys
+
+    def get(self, key: str):
+        """The base cache's entry for ``key`` (bytes or None), remembered."""
+        value = self._base.get(key)
+        if value is None:
+            self._loaded().discard(key)
+        else:
+            self._loaded().add(key)
+        return value
+
+    def put(self, key: str, value: bytes) -> None:
+        """Stores the entry; a damaged one of the same key is removed first.
+
+        Raises:
+          OSError: the damaged file cannot be removed (jax warns and goes on).
+        """
+        if key in self._loaded():
+            self._loaded().discard(key)
+            try:
+                (self._base._path / f"{key}{_jax_lru._CACHE_SUFFIX}").unlink()
+            except FileNotFoundError:
+                pass
+            jax.monitoring.record_event(DAMAGED_EVENT)
+        self._base.put(key, value)
+
+
+def _repair_damaged_entries() -> None:
+    """Wraps jax's persistent cache of this process (made now if not yet) in
+    :class:`_RepairingCache`; nothing without jax's internals or a cache."""
+    if _jax_cc is None or not hasattr(_jax_cc, "_initialize_cache"):
+        return
+    try:
+        _jax_cc._initialize_cache()  # once per reset_cache: jax's own file cache
+    except OSError:
+        return  # jax opens it again at the first compile and warns there
+    base = getattr(_jax_cc, "_cache", None)
+    if base is not None and not isinstance(base, _RepairingCache) and \
+            hasattr(base, "_path"):
+        _jax_cc._cache = _RepairingCache(base)
+
+
+def program_id(name: str) -> str:
     """A program's name as jax's compile event and its module name both reduce to:
     ``"jit(<lambda>)"`` and ``"jit__lambda"`` -> ``"jit_lambda"``."""
     return re.sub(r"[\W_]+", "_", name).strip("_")
@@ -168,11 +252,12 @@ class CompileLog:
     Attributes:
       builds: list of :class:`Build`, in event order.
       writes: persistent cache entries written.
+      damaged: damaged entries removed so that jax writes them again.
     """
 
     def __init__(self, phase: str = "startup"):
         self.builds: list[Build] = []
-        self.writes = 0
+        self.writes = self.damaged = 0
         self._phase0 = phase
         self._tokens: list = []
         self._pending = threading.local()
@@ -190,6 +275,9 @@ class CompileLog:
         elif event == CACHE_WRITE_EVENT:
             with self._lock:
                 self.writes += 1
+        elif event == DAMAGED_EVENT:
+            with self._lock:
+                self.damaged += 1
 
     def _duration(self, event: str, duration: float, **kwargs) -> None:
         if event == BACKEND_COMPILE_EVENT:
@@ -225,30 +313,30 @@ class CompileLog:
             _PHASES.reset(token)
 
     def refile(self, phase: str, program: str, to_phase: str) -> None:
-        """Moves the builds of ``program`` (by :func:`program_key`) filed under
+        """Moves the builds of ``program`` (by :func:`program_id`) filed under
         ``phase`` to ``to_phase`` (e.g. a compiled step's builds out of start-up)."""
-        key = program_key(program)
+        key = program_id(program)
         with self._lock:
             self.builds = [dataclasses.replace(b, phase=to_phase)
-                           if b.phase == phase and program_key(b.program) == key else b
+                           if b.phase == phase and program_id(b.program) == key else b
                            for b in self.builds]
 
     def count(self, phases=None, program: str | None = None) -> int:
         """Executables built (compiled or loaded) in ``phases`` (a name or a
         collection; all when None) whose program is ``program`` (any when None,
-        compared by :func:`program_key`)."""
+        compared by :func:`program_id`)."""
         return len(self._select(phases, program))
 
     def _select(self, phases, program):
         if isinstance(phases, str):
             phases = (phases,)
-        key = None if program is None else program_key(program)
+        key = None if program is None else program_id(program)
         return [b for b in list(self.builds) if (phases is None or b.phase in phases)
-                and (key is None or program_key(b.program) == key)]
+                and (key is None or program_id(b.program) == key)]
 
     def by_phase(self) -> dict[str, dict]:
         """``{phase: {"built", "compiled", "cache_hits", "seconds"}}`` in
-        order of first appearance: executables built, those XLA compiled, those
+        order of first appearance: programs built, those XLA compiled, those
         loaded from the persistent cache, wall seconds of all builds."""
         out: dict[str, dict] = collections.OrderedDict()
         for b in list(self.builds):
@@ -263,14 +351,17 @@ class CompileLog:
         return dict(out)
 
     def cache_summary(self) -> dict:
-        """``{"dir", "hits", "misses", "writes", "compile_s", "load_s"}``: the
-        persistent cache over the whole log (``misses``: looked up, not found, compiled; ``compile_s``: seconds XLA
+        """``{"dir", "hits", "misses", "writes", "damaged", "compile_s", "load_s"}``:
+        the persistent cache over the whole log (``misses``: looked up, not
+        found or not loadable, compiled; ``damaged``: entries found but not
+        loadable, removed and written again; ``compile_s``: seconds XLA
         compiled; ``load_s``: seconds of the builds served from the cache)."""
         builds = list(self.builds)
         return {"dir": cache_dir(),
                 "hits": sum(b.cache == "hit" for b in builds),
                 "misses": sum(b.cache == "miss" for b in builds),
                 "writes": self.writes,
+                "damaged": self.damaged,
                 "compile_s": round(sum(b.seconds for b in builds if b.compiled), 3),
                 "load_s": round(sum(b.seconds for b in builds if not b.compiled), 3)}
 

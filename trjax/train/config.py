@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
 import os
+from typing import Any
 
 import ml_collections
 
@@ -21,42 +23,135 @@ from trjax.cpu import host, im2col
 from trjax.data import input_pipeline
 from trjax.batchnorm import BN_MODES
 from trjax.exchange import ALLREDUCE_CHOICES
-from trjax.plan import BUCKET_POLICIES, KERNEL_ORDERS
+from trjax.plan import BUCKET_POLICIES
 from trjax.precision import PRECISIONS
 from trjax.world import check_batch_split
 
-CHOICES = {
-    "bn_mode": BN_MODES, "precision": tuple(PRECISIONS), "optimizer": optim.OPTIMIZERS,
-    "model": tuple(models.MODELS), "dataset": input_pipeline.DATASETS,
-    "train_remainder": input_pipeline.REMAINDERS, "allreduce": ALLREDUCE_CHOICES,
-    "compression": tuple(compression.COMPRESSORS),
-    "bucket_kernel_order": ("auto",) + KERNEL_ORDERS, "cpu_convolutions": host.CPU_CONVOLUTIONS,
-    "conv_lowering": im2col.LOWERINGS,
-}
-"""Config keys with a fixed set of values."""
-POSITIVE_INTS = ("num_epochs", "global_batch_size", "eval_batch_size", "metrics_lag",
-                 "grad_accumulation_steps", "powersgd_rank", "preemption_check_every_steps",
-                 "keep_checkpoints", "loss_scale_growth_interval", "image_size",
-                 "distributed.num_processes", "distributed.heartbeat_timeout_s")
-NON_NEGATIVE_INTS = ("compression_start_step", "allreduce_local_size", "checkpoint_every_steps",
-                     "halt_after_steps", "log_every_steps", "max_consecutive_overflows", "seed",
-                     "warmup_epochs", "prefetch")
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """One config key: the values it takes and where it acts.
+
+    Attributes:
+      kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"`` or ``"str"``.
+      valid: ``choice``: the allowed values; ``int``: the lowest value (the
+        highest is :data:`INT32_MAX`), ``None`` when the module that uses it
+        checks it; ``float``: ``(low, low included, high, high included)``.
+      program: the value enters a compiled program (the steps or the state
+        initialisation); ``False``: it steers only the loop, its I/O or where
+        data and caches live.
+      resume: the value may differ between a run and its resume
+        (``WORKDIR/config.json``); ``False``: a resume with another value is an
+        error naming the key.
+      checkpoint: the value must equal the one in the checkpoint's meta.
+      hint: appended to a range error (units, what 0 means).
+    """
+    kind: str
+    valid: Any = None
+    program: bool = True
+    resume: bool = False
+    checkpoint: bool = False
+    hint: str = ""
+
+
 INT32_MAX = 2 ** 31 - 1
 """The upper bound of every int key: seeds, step counts and intervals meet the
 train state's int32 counters on the device (a larger value overflowed there,
 or failed with a bare ``OverflowError`` when placed)."""
 INF = float("inf")
-FLOAT_RANGES = {  # key: (low, low included, high, high included); NaN is out of every range
-    "momentum": (0.0, True, 1.0, False), "bn_momentum": (0.0, True, 1.0, False),
-    "weight_decay": (0.0, True, INF, False), "trust_coefficient": (0.0, False, INF, False),
-    "step_timeout_s": (0.0, True, INF, False),  # 0: no watchdog
-    "learning_rate": (0.0, False, INF, False), "topk_ratio": (0.0, False, 1.0, True),
-    "compression_min_fraction": (0.0, True, 1.0, True),
+_LOOP = dict(program=False, resume=True)  # the loop's own knobs: no program, free on resume
+_WHERE = dict(resume=True)                # where and how it runs: may change on resume
+_MATCH = dict(checkpoint=True)            # the state's meaning: must match the checkpoint
+
+KEYS = {
+    # data
+    "dataset": Key("choice", input_pipeline.DATASETS, **_MATCH),
+    "data_dir": Key("str", program=False, resume=True),
+    "image_size": Key("int", 1),
+    "augment": Key("bool"),
+    "prefetch": Key("int", 0, **_LOOP),
+    "data_workers": Key("int", None, **_LOOP),  # trjax.data.input_pipeline.resolve_workers
+    "verify_images": Key("bool", **_LOOP),
+    "skip_bad_images": Key("bool", program=False),
+    "train_remainder": Key("choice", input_pipeline.REMAINDERS),
+    # world
+    "devices": Key("str", **_WHERE),
+    "cpu_devices": Key("int", None, **_WHERE),  # trjax.cpu.host.resolve_cpu_convolutions
+    "cpu_convolutions": Key("choice", host.CPU_CONVOLUTIONS, **_WHERE),
+    "conv_lowering": Key("choice", im2col.LOWERINGS, **_WHERE),
+    "cpu_reuse_memory": Key("bool", **_WHERE),
+    "global_batch_size": Key("int", 1, **_MATCH),
+    "eval_batch_size": Key("int", 1),
+    # model
+    "model": Key("choice", tuple(models.MODELS), **_MATCH),
+    "bn_mode": Key("choice", BN_MODES, **_MATCH),
+    "bn_momentum": Key("float", (0.0, True, 1.0, False)),
+    # communication
+    "buckets": Key("str", **_MATCH),  # checked in validate: BUCKET_POLICIES or size:<MB>
+    "allreduce": Key("choice", ALLREDUCE_CHOICES),
+    "allreduce_local_size": Key("int", 0),
+    "compression": Key("choice", tuple(compression.COMPRESSORS), **_MATCH),
+    "powersgd_rank": Key("int", 1),
+    "compression_start_step": Key("int", 0),
+    "compression_min_fraction": Key("float", (0.0, True, 1.0, True)),
+    "topk_ratio": Key("float", (0.0, False, 1.0, True)),
+    "grad_accumulation_steps": Key("int", 1),
+    "shard_optimizer_state": Key("bool", **_MATCH),
+    "precision": Key("choice", tuple(PRECISIONS), **_MATCH),
+    "loss_scale_growth_interval": Key("int", 1),
+    # optimisation
+    "optimizer": Key("choice", optim.OPTIMIZERS, **_MATCH),
+    "learning_rate": Key("float", (0.0, False, INF, False)),
+    "warmup_epochs": Key("int", 0),
+    "momentum": Key("float", (0.0, True, 1.0, False)),
+    "nesterov": Key("bool"),
+    "weight_decay": Key("float", (0.0, True, INF, False)),
+    "trust_coefficient": Key("float", (0.0, False, INF, False)),
+    "num_epochs": Key("int", 1, **_WHERE),  # the schedule's length: recomputed on resume
+    # run
+    "seed": Key("int", 0, **_MATCH),
+    "halt_on_nonfinite": Key("bool", **_LOOP),
+    "max_consecutive_overflows": Key("int", 0, **_LOOP),
+    "metrics_lag": Key("int", 1, **_LOOP),
+    "progress": Key("bool", **_LOOP),
+    "tensorboard": Key("bool", **_LOOP),
+    "log_every_steps": Key("int", 0, **_LOOP),
+    "profile_steps": Key("str", **_LOOP),  # checked by parse_profile_steps
+    "preemption_check_every_steps": Key("int", 1, **_LOOP),
+    "checkpoint_every_steps": Key("int", 0, **_LOOP),
+    "keep_checkpoints": Key("int", 1, **_LOOP),
+    "resume": Key("bool", **_LOOP),
+    "halt_after_steps": Key("int", 0, **_LOOP),
+    "checkpoint_async": Key("bool", **_LOOP),
+    "compilation_cache": Key("bool", **_LOOP),
+    "compilation_cache_dir": Key("str", **_LOOP),
+    "distributed.coordinator": Key("str", **_LOOP),
+    "distributed.num_processes": Key("int", 1, **_LOOP),
+    "distributed.process_id": Key("int", None, **_LOOP),  # checked against num_processes
+    "distributed.auto": Key("bool", **_LOOP),
+    "distributed.heartbeat_timeout_s": Key("int", 1, **_LOOP),
+    "step_timeout_s": Key("float", (0.0, True, INF, False), **_LOOP,
+                          hint=" (seconds; 0 turns the watchdog off)"),
 }
+"""Every config key (``configs/default.py``), with its kind, range and where it
+acts; :func:`validate`, the ``config.json`` comparison on resume
+(:func:`trjax.train.loop_io.save_config`) and the checkpoint's compatibility
+check all read it (``tests/test_config.py`` checks it covers the default config)."""
+
+CHOICES = {k: key.valid for k, key in KEYS.items() if key.kind == "choice"}
+"""Config keys with a fixed set of values."""
+POSITIVE_INTS = tuple(k for k, key in KEYS.items() if key.kind == "int" and key.valid == 1)
+NON_NEGATIVE_INTS = tuple(k for k, key in KEYS.items() if key.kind == "int" and key.valid == 0)
+FLOAT_RANGES = {k: key.valid for k, key in KEYS.items() if key.kind == "float"}
 """Numeric config keys and their valid ranges; anything else is an error naming the key."""
-_RANGE_HINTS = {
-    "step_timeout_s": " (seconds; 0 turns the watchdog off)",
-}
+RESUME_MAY_CHANGE = tuple(dict.fromkeys(k.split(".")[0] for k, key in KEYS.items() if key.resume))
+"""Top-level keys that may differ between a run and its resume: where and how
+it runs and logs, how long, how often it saves; none changes the arithmetic of
+a step or the data order."""
+CHECKPOINT_KEYS = tuple(k for k, key in KEYS.items() if key.checkpoint)
+"""Keys whose values a checkpoint records and a resume must match."""
+OUTSIDE_PROGRAMS = tuple(k for k, key in KEYS.items() if not key.program)
+"""Keys that enter no compiled program (``tests/test_config.py`` changes them all
+and compares the lowered train step)."""
 
 
 def _get(c, key: str):
@@ -108,12 +203,11 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
             low <= v if low_in else low < v) and (v <= high if high_in else v < high)
         if not ok:
             raise ValueError(f"config.{key}={v!r} must be in {'[' if low_in else '('}{low:g}, "
-                             f"{high:g}{']' if high_in else ')'}{_RANGE_HINTS.get(key, '')}")
+                             f"{high:g}{']' if high_in else ')'}{KEYS[key].hint}")
     if c.data_dir and c.dataset == "digits":
         raise ValueError(f"config.data_dir={c.data_dir!r} is set but dataset='digits' is built "
                          "in and reads no folder; choose the dataset that folder holds "
                          f"(one of {list(input_pipeline.DATASETS)}) or leave data_dir empty")
-    from trjax.train.loop_io import parse_profile_steps
     parse_profile_steps(c.profile_steps)
     if c.shard_optimizer_state and (c.optimizer != "sgd" or c.compression != "none"
                                     or c.allreduce != "xla"):
@@ -145,6 +239,24 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
             world_size % c.allreduce_local_size:
         raise ValueError(f"config.allreduce_local_size={c.allreduce_local_size!r} must divide "
                          f"the world size {world_size} (devices per node; 0: per process)")
+
+
+def parse_profile_steps(spec: str) -> tuple[int, int] | None:
+    """``"A:B"`` -> ``(A, B)`` with ``1 <= A <= B``; ``""`` -> None.
+
+    Raises:
+      ValueError: naming ``config.profile_steps`` and the expected form.
+    """
+    if not spec:
+        return None
+    try:
+        a, b = (int(x) for x in str(spec).split(":"))
+    except ValueError:
+        a, b = 0, -1
+    if not 1 <= a <= b:
+        raise ValueError(f"config.profile_steps={spec!r} must be 'A:B' with 1 <= A <= B "
+                         "(steps A..B traced into WORKDIR/profile), or '' for none")
+    return a, b
 
 
 def validate_steps(config: ml_collections.ConfigDict, train_examples: int, global_batch: int,

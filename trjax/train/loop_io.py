@@ -25,23 +25,12 @@ from typing import Callable
 import jax
 
 from trjax.metrics import StepMetrics
-
-RESUME_MAY_CHANGE = (
-    "num_epochs", "halt_after_steps", "resume", "log_every_steps", "progress", "tensorboard",
-    "profile_steps", "checkpoint_every_steps", "keep_checkpoints", "checkpoint_async",
-    "step_timeout_s", "halt_on_nonfinite", "max_consecutive_overflows", "metrics_lag",
-    "prefetch", "data_workers", "data_dir", "devices", "cpu_devices", "cpu_convolutions",
-    "conv_lowering", "cpu_reuse_memory", "compilation_cache", "compilation_cache_dir", "distributed",
-    "preemption_check_every_steps", "verify_images")
-"""Config keys (top level) that may differ between a run and its resume: where
-and how it runs and logs, how long, how often it saves; none changes the
-arithmetic of a step or the data order."""
+from trjax.train.config import RESUME_MAY_CHANGE, parse_profile_steps
+from trjax.train.metrics_log import read_rows
 
 SCHEDULE_NOTE = {"num_epochs": " (the warmup + cosine learning-rate schedule is recomputed over "
                                "the new total steps: the learning rate changes from the "
-                               "restored step on)",
-                 "conv_lowering": " (bucket_kernel_order='auto' keeps the checkpoint's order "
-                                  "where compression or ZeRO-1 state is laid out in it)"}
+                               "restored step on)"}
 """What a change of a key in :data:`RESUME_MAY_CHANGE` does to the steps that follow."""
 
 MIN_LOSS_SCALE = 1.0  # trjax.precision.update_loss_scale's floor
@@ -95,9 +84,34 @@ def save_config(config, workdir: str, resuming: bool, write: bool = True) -> lis
     return changed
 
 
-def open_tensorboard(config, workdir: str, say):
+STEP_SCALARS = ("loss", "top1", "images_per_s", "lr", "loss_scale", "skipped_steps")
+"""The step-log row's values written to TensorBoard (as ``step/<name>``)."""
+
+
+def tensorboard_step_row(tb, row: dict) -> None:
+    """A step-log row (``steps.jsonl``) as TensorBoard scalars ``step/<name>``."""
+    for k in STEP_SCALARS:
+        tb.add_scalar(f"step/{k}", row[k], row["step"])
+
+
+def tensorboard_epoch_row(tb, row: dict) -> None:
+    """An epoch row (``metrics.jsonl``) as TensorBoard scalars, then a flush."""
+    for k, v in row.items():
+        if k not in ("epoch", "step"):
+            tb.add_scalar(k, v, row["step"])
+    tb.flush()
+
+
+def open_tensorboard(config, workdir: str, say, resume: bool = False):
     """A tensorboardX writer on WORKDIR/tensorboard when ``config.tensorboard``
-    and tensorboardX is importable (process 0 only); else None."""
+    and tensorboardX is importable (process 0 only); else None.
+
+    Event files cannot drop the events a crash left past the restored step, so
+    on ``resume`` the folder's event files are replaced by one rebuilt from
+    ``metrics.jsonl`` and ``steps.jsonl`` (already cut back to the restored
+    step: :class:`trjax.train.metrics_log.MetricsWriter`): every log shows each
+    step once, as an uninterrupted run's would. Call it after those files are
+    opened for the resumed run."""
     if not config.tensorboard or jax.process_index() != 0:
         return None
     try:
@@ -105,7 +119,21 @@ def open_tensorboard(config, workdir: str, say):
     except ImportError:
         say("tensorboard: off (tensorboardX is not installed: pip install 'trjax[tensorboard]')")
         return None
-    return summary_writer(os.path.join(workdir, "tensorboard"))
+    folder = os.path.join(workdir, "tensorboard")
+    if resume and os.path.isdir(folder):
+        for name in os.listdir(folder):
+            if name.startswith("events.out.tfevents"):
+                os.remove(os.path.join(folder, name))
+    tb = summary_writer(folder)
+    for name, write in (("steps.jsonl", tensorboard_step_row),
+                        ("metrics.jsonl", tensorboard_epoch_row)):
+        path = os.path.join(workdir, name)
+        if resume and os.path.isfile(path):
+            for row in read_rows(path):
+                if "step" in row and (write is tensorboard_epoch_row or
+                                      all(k in row for k in STEP_SCALARS)):
+                    write(tb, row)
+    return tb
 
 
 def _tensorboardx_writer_class():
@@ -140,8 +168,8 @@ class MetricsReader:
     every precision (fp16: a step non-finite at the minimum loss scale; above
     it an overflow only halves the scale, loss scaling's normal work), and -- whatever ``halt`` -- once ``max_overflows``
     consecutive steps were non-finite while the loss scale sat at its minimum
-    (:data:`MIN_LOSS_SCALE`; the host mirrors the fp16 scale update of
-    :func:`trjax.precision.update_loss_scale` exactly, powers of two).
+    (:data:`MIN_LOSS_SCALE`). The loss scale is the device's, read back with
+    each step's metrics (``StepMetrics.loss_scale``), never recomputed here.
 
     Args:
       lag: ``config.metrics_lag``.
@@ -149,8 +177,8 @@ class MetricsReader:
       fp16: dynamic loss scaling is on.
       log: one-line messages (process 0's print).
       max_overflows: ``config.max_consecutive_overflows`` (0: never stop).
-      loss_scale, good_steps: the restored state's fp16 scale and counter.
-      growth_interval: ``config.loss_scale_growth_interval``.
+      loss_scale: the restored state's loss scale (the scale before the first
+        step this reader sees).
       skipped_steps: the restored state's skipped-step count.
       log_every: ``config.log_every_steps`` (0: no step log).
       on_log_row: called with each step-log row (dict).
@@ -159,8 +187,7 @@ class MetricsReader:
     """
 
     def __init__(self, lag: int, halt: bool, fp16: bool, log=print, *, max_overflows: int = 0,
-                 loss_scale: float = 1.0, good_steps: int = 0, growth_interval: int = 2000,
-                 skipped_steps: int = 0, log_every: int = 0,
+                 loss_scale: float = 1.0, skipped_steps: int = 0, log_every: int = 0,
                  on_log_row: Callable[[dict], None] | None = None,
                  lr_of_step: Callable[[int], float] | None = None, steps_per_epoch: int = 0):
         self.lag, self.halt, self.fp16, self.log = lag, halt, fp16, log
@@ -172,8 +199,6 @@ class MetricsReader:
         self.skipped: list[int] = []
         self.max_overflows = max_overflows
         self.scale = float(loss_scale) if fp16 else MIN_LOSS_SCALE
-        self.good = int(good_steps)
-        self.growth_interval = growth_interval
         self.skipped_total = int(skipped_steps)
         self.overflow_run: list[int] = []  # consecutive non-finite steps at the minimum scale
         self.log_every, self.on_log_row = log_every, on_log_row
@@ -185,16 +210,6 @@ class MetricsReader:
         self.pending.append((step, metrics))
         self.drain(self.lag)
 
-    def _loss_scale_update(self, finite: bool) -> None:
-        if not self.fp16:
-            return
-        if finite:
-            self.good += 1
-            if self.good >= self.growth_interval:
-                self.scale, self.good = self.scale * 2.0, 0
-        else:
-            self.scale, self.good = max(self.scale / 2.0, MIN_LOSS_SCALE), 0
-
     def drain(self, limit: int = 0) -> None:
         while len(self.pending) > limit:
             step, m = self.pending.popleft()
@@ -203,8 +218,9 @@ class MetricsReader:
             self.sums = self.sums.plus(m)
             self.window = self.window.plus(m)
             finite = m.finite != 0.0
-            at_min = self.scale <= MIN_LOSS_SCALE
-            self._loss_scale_update(finite)
+            at_min = self.scale <= MIN_LOSS_SCALE  # the scale this step ran with
+            if self.fp16:
+                self.scale = m.loss_scale  # the device's, after the step
             if finite:
                 self.overflow_run = []
             else:
@@ -266,24 +282,6 @@ class MetricsReader:
             self.window = StepMetrics(*meta["log_window_sums"])
             self._window_restored = float(self.window.count)
         self.skipped = list(meta.get("skipped_step_numbers", []))
-
-
-def parse_profile_steps(spec: str) -> tuple[int, int] | None:
-    """``"A:B"`` -> ``(A, B)`` with ``1 <= A <= B``; ``""`` -> None.
-
-    Raises:
-      ValueError: naming ``config.profile_steps`` and the expected form.
-    """
-    if not spec:
-        return None
-    try:
-        a, b = (int(x) for x in str(spec).split(":"))
-    except ValueError:
-        a, b = 0, -1
-    if not 1 <= a <= b:
-        raise ValueError(f"config.profile_steps={spec!r} must be 'A:B' with 1 <= A <= B "
-                         "(steps A..B traced into WORKDIR/profile), or '' for none")
-    return a, b
 
 
 class Profiler:

@@ -1,6 +1,6 @@
 """How a run stops early: exit codes, preemption signals, and the agreed stop step.
 
-* Exit codes of ``scripts/train.py`` (documented in README "Stops and restarts"):
+* Exit codes of ``scripts/train.py`` (documented in docs/checkpoints.md):
   :data:`EXIT_ERROR` (bad input, an incompatible checkpoint or config, a busy
   workdir), :data:`EXIT_PEER_LOST` (a collective failed or no step finished
   for ``config.step_timeout_s``: a peer process died or hangs),
@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import jax
 import numpy as np
@@ -32,6 +33,7 @@ EXIT_NONFINITE = 4
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a scheduler sees for a job its SIGTERM ended
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: Ctrl-C, after the checkpoint is saved
 SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+REPEAT_S = 1.0  # the same signal again within this many seconds: the same request, twice
 
 
 class Preempted(Exception):
@@ -54,7 +56,10 @@ class StopSignals:
     """Turns SIGTERM/SIGUSR1/SIGINT into a flag while installed (a context manager).
 
     A second signal while the first is being handled ends the process at
-    once (the signal's default action), as schedulers' "kill now" expects.
+    once (the signal's default action), as schedulers' "kill now" expects;
+    but the same signal again within :data:`REPEAT_S` of the first is the
+    same request delivered twice (a launcher forwards what a terminal's
+    Ctrl-C or a scheduler also sent to every process) and is dropped.
     A signal the process finds ignored (``SIG_IGN``, e.g. SIGINT of a job a
     non-interactive shell started with ``&``) stays ignored, as Python leaves
     an ignored SIGINT without its KeyboardInterrupt.
@@ -72,19 +77,22 @@ class StopSignals:
     def __init__(self, check_every: int = 10):
         self.check_every = max(1, int(check_every))
         self.received: str | None = None
+        self._received_at = 0.0
         self._previous: dict = {}
 
     def request(self, name: str = "SIGTERM") -> None:
         """Sets the flag as a signal would (the handler calls this)."""
         if self.received is None:
-            self.received = name
+            self.received, self._received_at = name, time.monotonic()
 
     def _handler(self, signum, frame):
-        if self.received is not None:  # a second signal: the default action, at once
-            signal.signal(signum, signal.SIG_DFL)
+        name = signal.Signals(signum).name
+        if self.received is not None:
+            if name == self.received and time.monotonic() - self._received_at < REPEAT_S:
+                return  # one request delivered twice
+            signal.signal(signum, signal.SIG_DFL)  # a second signal: the default action, at once
             os.kill(os.getpid(), signum)
             return
-        name = signal.Signals(signum).name
         if name == "SIGINT":
             print("trjax: Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again "
                   "stops at once, without one)", file=sys.stderr, flush=True)

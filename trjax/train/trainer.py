@@ -11,6 +11,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import dataclasses
+import hashlib
+import os
 from typing import Any
 
 import jax
@@ -23,7 +25,7 @@ from trjax.train import config as config_lib
 from trjax import exchange as exchange_lib
 from trjax.cpu.im2col import resolve_conv_lowering
 from trjax.metrics import METRICS, StepMetrics
-from trjax.plan import build_plan, resolve_kernel_order
+from trjax.plan import build_plan
 from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
 from trjax.state import train_state_program
 from trjax.world import host_value, make_world
@@ -60,20 +62,12 @@ class Trainer:
 
 
 def prepare(config: ml_collections.ConfigDict,
-            data: input_pipeline.Dataset | None = None,
-            saved_kernel_order: str | None = None) -> Trainer:
+            data: input_pipeline.Dataset | None = None) -> Trainer:
     """Config -> world -> data -> model, plan, schedule and gradient exchange.
 
     Every check on the config, the device spec and the batch split runs
     first (:func:`trjax.train.config.validate`); nothing is traced, compiled or
     placed on a device. :func:`setup` finishes the job.
-
-    ``saved_kernel_order``: the bucket kernel order of the checkpoint a run
-    resumes from, where its state depends on it (its meta's
-    ``bucket_kernel_order``: PowerSGD/top-k error feedback and ZeRO-1 shards
-    are bucket-shaped); ``config.bucket_kernel_order="auto"`` keeps it, so a
-    resume may switch ``conv_lowering``, which picks the "auto" order on CPU
-    (:func:`trjax.plan.resolve_kernel_order`), without re-laying out that state.
 
     Raises:
       ValueError: an invalid config, device spec or batch split.
@@ -94,10 +88,7 @@ def prepare(config: ml_collections.ConfigDict,
                                 axis_name=world.axis_name, bn_momentum=config.bn_momentum,
                                 dtype=compute_dtype(config.precision), input_mean=data.mean,
                                 input_std=data.std, conv_lowering=lowering)
-    order = resolve_kernel_order(config.bucket_kernel_order, world.devices[0].platform, lowering)
-    if config.bucket_kernel_order == "auto" and saved_kernel_order:  # the state's layout
-        order = saved_kernel_order  # (a bad one: build_plan's error)
-    plan = build_plan(model, data.image_shape, config.buckets, order)
+    plan = build_plan(model, data.image_shape, config.buckets)
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
@@ -106,6 +97,42 @@ def prepare(config: ml_collections.ConfigDict,
                                              config.train_remainder)
     return Trainer(config, world, data, model, plan, schedule, exchange, train_steps,
                    compute_dtype(config.precision), full)
+
+
+def data_identity(split) -> dict:
+    """What a data position (epoch, batch) means: ``{"train_examples": N,
+    "train_fingerprint": hex}``. The fingerprint is a SHA-256 of the split's
+    listing: its labels and, for a source read from files, every file's path
+    relative to the source's root (the order the epochs shuffle); for in-memory
+    arrays, the labels and the images' shape. A checkpoint records it, and a
+    resume onto other data (a file added or deleted, a relabelled split) is
+    refused instead of continuing at a position that now points at other
+    examples."""
+    h = hashlib.sha256()
+    labels = np.ascontiguousarray(np.asarray(split.labels, np.int64))
+    h.update(labels.tobytes())
+    paths = getattr(split, "paths", None)
+    if paths is not None:
+        root = str(getattr(split, "root", ""))
+        for p in paths:
+            h.update(os.path.relpath(str(p), root).encode("utf-8", "surrogateescape") + b"\0")
+    else:
+        h.update(repr(tuple(np.shape(split.images))).encode())
+    return {"train_examples": int(len(split.labels)), "train_fingerprint": h.hexdigest()[:16]}
+
+
+def checkpoint_keys(tr: Trainer) -> dict:
+    """Everything a checkpoint of this run must match to be resumed: the config
+    keys :data:`trjax.train.config.CHECKPOINT_KEYS`, the training data's
+    :func:`data_identity`, what the exchange's state depends on
+    (``exchange.checkpoint_keys``) and, in ``local`` BN mode (one statistics row
+    per replica), the world size."""
+    keys = {k: tr.config[k] for k in config_lib.CHECKPOINT_KEYS}
+    keys.update(data_identity(tr.data.train))
+    keys.update(tr.exchange.checkpoint_keys(tr.world))
+    if tr.config.bn_mode == "local":
+        keys["world_size"] = tr.world.world_size
+    return keys
 
 
 def setup(config: ml_collections.ConfigDict,

@@ -1,21 +1,43 @@
-"""One live run per workdir: a lock file that names its holder.
+"""One live run per workdir: a lock the kernel releases when its holder ends.
 
-* :class:`WorkdirLock` -- ``WORKDIR/trjax.lock`` holds the host, pid and the
-  pid's start time; a second live run is refused with :class:`WorkdirBusy`
-  (naming the holder), a dead holder's lock is taken over.
+* :class:`WorkdirLock` -- an exclusive ``flock`` on ``WORKDIR/trjax.lock``,
+  held on a file kept open for the run's life. The kernel drops it when the
+  holding process ends, however it ends (an exception, a crash, SIGKILL, the
+  OOM killer), so no stale lock is ever left to judge or clean up, and
+  liveness does not depend on pids: runs in other PID namespaces
+  (containers, ``unshare --pid``) see each other's lock. While held, the file
+  holds a note (host, pid, start time, command) that names the holder in the
+  second run's :class:`WorkdirBusy`; its pid is one of the holder's PID
+  namespace. The file stays, empty, after the run: removing a lock file that
+  another process may have open would let two runs lock two files.
 * :func:`holds_workdir` -- decorator: process 0 of a run holds the lock while
   the wrapped ``fn(config, workdir, ...)`` runs.
 
 A cluster launch that was not recognised as one run (every task starting its
 own single-process job) is the case this guards against: the tasks would
 otherwise interleave checkpoints and logs in one folder.
+
+Network file systems (``man 2 flock``). Linux NFS clients emulate ``flock``
+with a POSIX byte-range lock on the whole file (since Linux 2.6.12), which
+the server arbitrates across clients (NFSv4 locking; lockd for NFSv3); a
+mount with ``nolock`` or ``local_lock=flock|all`` keeps it local to each
+client. SMB/CIFS propagates it since Linux 5.5 (local only before; the lock
+is mandatory there, so the second run may not read the note). On some FUSE
+mounts a lock is local to one machine. A local-only lock still refuses a
+second run on the same machine, not one on another client. A file system
+that refuses ``flock`` (ENOLCK, ENOSYS, EOPNOTSUPP) runs unlocked, with a
+message. A forked child shares the lock: it ends with the last process that
+has the file open.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import functools
 import json
 import os
+import shlex
 import socket
 import sys
 import time
@@ -24,6 +46,8 @@ import jax
 
 
 LOCK_NAME = "trjax.lock"
+_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP)  # flock refused by the file system
+_HELD: dict[str, "WorkdirLock"] = {}  # real path of a lock file -> this process's holder
 
 
 class WorkdirError(RuntimeError):
@@ -32,41 +56,6 @@ class WorkdirError(RuntimeError):
 
 class WorkdirBusy(WorkdirError):
     """Another live run writes into this workdir."""
-
-
-def _read_lock(path: str) -> dict | None:
-    """The lock's record, or None when it is not one trjax wrote (or not yet)."""
-    try:
-        with open(path) as f:
-            other = json.load(f)
-        int(other.get("pid") or 0)
-    except (OSError, ValueError, TypeError, AttributeError):
-        return None
-    return other if isinstance(other, dict) else None
-
-
-def _start_time(pid: int) -> str | None:
-    """The start time of ``pid`` (``/proc/PID/stat`` field 22, clock ticks since
-    boot), or None when no such process (or no /proc)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
-
-
-def _alive(pid: int, start: str | None) -> bool:
-    """Whether ``pid`` runs on this host and is the process that wrote ``start``."""
-    if pid <= 0:  # kill(0 or -1, 0) would ask about whole process groups
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass  # someone else's process: alive
-    now = _start_time(pid)
-    return start is None or now is None or now == start  # a recycled pid is another process
 
 
 def _unusable(workdir: str, e: OSError) -> WorkdirError:
@@ -93,99 +82,107 @@ def check_writable(folder: str) -> None:
                            "writable or pass another --workdir") from e
 
 
-class WorkdirLock:
-    """One writer per workdir: ``WORKDIR/trjax.lock`` holds the host, pid and
-    start time of the run that writes there.
+def _note() -> bytes:
+    """This process's holder note: host, pid, start time and command (JSON)."""
+    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                       "command": shlex.join(sys.argv[:8])}).encode()
 
-    :meth:`acquire` creates the file atomically (``O_CREAT | O_EXCL``). An
-    existing lock of a live process is refused; one left by a process that is
-    no longer running on this host (killed, crashed) is taken over with a
-    message. A lock from another host cannot be checked and is refused.
-    :meth:`release` removes it. The holding process may acquire again.
+
+def _read_note(path: str) -> dict | str:
+    """The holder's note, or why it cannot be read. A holder writes it just
+    after taking the lock, so an empty note is read again for a moment."""
+    why = "it is empty"
+    for _ in range(5):
+        try:
+            with open(path, "rb") as f:
+                note = json.loads(f.read() or b"null")
+            if isinstance(note, dict) and "pid" in note:
+                return note
+            why = "it is empty" if note is None else "it is not a note trjax wrote"
+        except OSError as e:  # e.g. SMB: a locked file cannot be read from another client
+            return e.strerror or str(e)
+        except ValueError:
+            why = "it is not a note trjax wrote"
+        time.sleep(0.1)
+    return why
+
+
+def _busy(workdir: str, path: str) -> WorkdirBusy:
+    note = _read_note(path)
+    if isinstance(note, str):
+        return WorkdirBusy(f"workdir {workdir!r} is in use by another process (its note in "
+                           f"{path} cannot be read: {note}); wait for it or use another "
+                           "--workdir")
+    return WorkdirBusy(f"workdir {workdir!r} is in use by pid {note.get('pid')} on host "
+                       f"{note.get('host')} since {note.get('started')}; wait for it or use "
+                       f"another --workdir (its command: {note.get('command')})")
+
+
+class WorkdirLock:
+    """One writer per workdir: an exclusive ``flock`` on ``WORKDIR/trjax.lock``
+    (see the module docstring), with a note naming the holder.
+
+    :meth:`acquire` takes it without waiting; :meth:`release` (or the end of
+    the process) gives it back. A process that holds it may acquire it again
+    through another ``WorkdirLock``: that one holds nothing of its own and its
+    release leaves the lock to the first.
     """
 
     def __init__(self, workdir: str, log=print):
         self.workdir, self.log = workdir, log
         self.path = os.path.join(workdir, LOCK_NAME)
-        self.held = self.created = False
-
-    def _mine(self) -> dict:
-        pid = os.getpid()
-        return {"host": socket.gethostname(), "pid": pid, "start": _start_time(pid),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "argv": sys.argv[:8]}
+        self.held = False
+        self._fd: int | None = None
+        self._key = ""
 
     def acquire(self) -> "WorkdirLock":
-        """Takes the lock.
+        """Takes the lock (creating the workdir if needed).
 
         Raises:
-          WorkdirBusy: another live run holds the workdir (names its host,
-            pid and start, and what to do), or its lock file is not one trjax
-            can read.
-          WorkdirError: the workdir cannot be created or written.
+          WorkdirBusy: another live process holds it; the message names its
+            pid, host, start time and command from the note (or says why the
+            note cannot be read), and what to do.
+          WorkdirError: the workdir or its lock file cannot be created or opened.
         """
-        self.created = not os.path.isdir(self.workdir)
         try:
             os.makedirs(self.workdir, exist_ok=True)
+            key = os.path.realpath(self.path)
+            if key in _HELD:  # this process holds it already
+                self.held = True
+                return self
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as e:  # a file where the folder should be, no permission, ...
             raise _unusable(self.workdir, e) from e
-        me = self._mine()
-        for _ in range(3):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                other = _read_lock(self.path)
-                if other is None:  # being written this instant, or not a lock trjax wrote
-                    time.sleep(0.2)
-                    if _read_lock(self.path) is None and os.path.lexists(self.path):
-                        raise WorkdirBusy(f"workdir {self.workdir!r}: {self.path} is not a lock "
-                                           "trjax can read (empty, a folder or other content); "
-                                           "if no run uses this workdir, delete it")
-                    continue
-                if other.get("host") == me["host"] and other.get("pid") == me["pid"]:
-                    self.held = True  # this process already holds it
-                    return self
-                if other.get("host") != me["host"]:
-                    raise WorkdirBusy(
-                        f"workdir {self.workdir!r} is held by a run on host {other.get('host')!r} "
-                        f"(pid {other.get('pid')}, since {other.get('started')}): two runs must "
-                        "not write one workdir. Use another --workdir, or, if that run is over, "
-                        f"delete {self.path}")
-                if _alive(int(other.get("pid") or 0), other.get("start")):
-                    raise WorkdirBusy(
-                        f"workdir {self.workdir!r} is held by a live run (pid {other['pid']} on "
-                        f"this host, since {other.get('started')}): two runs must not write one "
-                        "workdir. Use another --workdir, or wait for that run to end")
-                self.log(f"trjax: taking over the lock of a run that is no longer running "
-                         f"(pid {other.get('pid')} on {other.get('host')}, since "
-                         f"{other.get('started')}): {self.path}")
-                try:
-                    os.remove(self.path)
-                except FileNotFoundError:
-                    pass
-                continue
-            except OSError as e:  # no permission, a read-only file system, ...
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise _busy(self.workdir, self.path) from None
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                os.close(fd)
                 raise _unusable(self.workdir, e) from e
-            with os.fdopen(fd, "w") as f:
-                json.dump(me, f)
-            self.held = True
-            return self
-        raise WorkdirBusy(f"workdir {self.workdir!r}: could not take {self.path} (another "
-                           "process keeps replacing it)")
+            self.log(f"trjax: {self.path} cannot be locked on this file system ({e.strerror}): "
+                     "running without the one-run-per-workdir check")
+        os.ftruncate(fd, 0)  # a holder that was killed left its note
+        os.pwrite(fd, _note(), 0)
+        self._fd, self._key, self.held = fd, key, True
+        _HELD[key] = self
+        return self
 
     def release(self) -> None:
-        """Removes the lock if this process holds it."""
-        if not self.held:
-            return
+        """Clears the note and gives the lock back, if this object holds it."""
         self.held = False
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        _HELD.pop(self._key, None)
         try:
-            with open(self.path) as f:
-                other = json.load(f)
-            if other.get("pid") == os.getpid() and other.get("host") == socket.gethostname():
-                os.remove(self.path)
-            if self.created and not os.listdir(self.workdir):
-                os.rmdir(self.workdir)  # a refused or failed run leaves nothing behind
-        except (OSError, ValueError):
+            os.ftruncate(fd, 0)
+        except OSError:
             pass
+        os.close(fd)  # the kernel drops the flock with the last descriptor
 
     def __enter__(self):
         return self.acquire()
@@ -198,25 +195,17 @@ class WorkdirLock:
 def holds_workdir(fn):
     """Decorator for ``fn(config, workdir, ...)``: process 0 holds
     :class:`WorkdirLock` on ``workdir`` while ``fn`` runs (other processes of
-    a multi-process run write nothing there). Refusal raises
-    :class:`WorkdirBusy` before ``fn`` starts."""
+    a multi-process run write nothing there). A nested call keeps the outer
+    call's lock.
+
+    Raises:
+      WorkdirBusy: before ``fn`` starts, when another process holds the workdir.
+      WorkdirError: the workdir cannot be created or its lock file opened.
+    """
     @functools.wraps(fn)
     def wrapper(config, workdir, *args, **kwargs):
         if jax.process_index() != 0:
             return fn(config, workdir, *args, **kwargs)
-        lock = WorkdirLock(workdir)
-        held_before = os.path.exists(lock.path) and _lock_pid(lock.path) == os.getpid()
-        with lock:
-            try:
-                return fn(config, workdir, *args, **kwargs)
-            finally:
-                lock.held = lock.held and not held_before  # a nested call keeps the outer lock
+        with WorkdirLock(workdir):
+            return fn(config, workdir, *args, **kwargs)
     return wrapper
-
-
-def _lock_pid(path: str):
-    try:
-        with open(path) as f:
-            return json.load(f).get("pid")
-    except (OSError, ValueError):
-        return None
