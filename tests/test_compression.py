@@ -304,3 +304,121 @@ def test_per_layer_powersgd_exchange_carries_its_error_feedback_over_steps():
         lossy = max(lossy, np.abs(sent[b] - true[b]).max() / scale)
         np.testing.assert_allclose(sent[b] + held, true[b], rtol=0, atol=1e-4 * scale)
     assert lossy > 0.1  # rank 1 did drop a lot each step: the errors carry it
+
+
+# --------------------------------------------------------------------------- loss scale (fp16)
+
+def _exchange_harness(make_per_bucket):
+    """exchange.compressed over the small ResNet-8's plan, driven with bucket buffers given
+    directly (what the train step packs: gradient SUMS of ``scale * loss``, metric sums) and
+    the loss scale the fp16 step passes: ``step(bufs, state, scale) -> state``. SGD lr 1 on
+    zero parameters: the params are minus everything applied."""
+    import optax
+    from trjax import exchange, models
+    from trjax.plan import build_plan
+    from trjax.world import make_world
+
+    n_dev = 8
+    world = make_world("all", 8 * n_dev)
+    model = models.create_model("resnet8", stage_sizes=(1,), widths=(8,), stem_width=8,
+                                bn_mode="sync", axis_name=world.axis_name)
+    plan = build_plan(model, (8, 8, 1), "two", "HWIO")
+    ex = exchange.compressed(optax.sgd(1.0), plan, make_per_bucket(plan))
+    shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)),
+                                               train=False)["params"])
+    params = jax.tree_util.tree_map(lambda s: world.put(np.zeros(s.shape, s.dtype)), shapes)
+    opt_state, comm_state = ex.init(params, world)
+    opt_specs, comm_specs = ex.specs(world.axis_name)
+
+    def local(bufs, params, opt_state, comm_state, scale):
+        up = ex.update({b: v[0] for b, v in bufs.items()}, params, opt_state, comm_state,
+                       jnp.int32(5), scale, world.axis_name)
+        return up.params, up.opt_state, up.comm_state, up.finite
+
+    f = jax.jit(jax.shard_map(local, mesh=world.mesh,
+                              in_specs=(P(world.axis_name), P(), opt_specs, comm_specs, P()),
+                              out_specs=(P(), opt_specs, comm_specs, P()), check_vma=False))
+
+    def step(bufs, state, scale):
+        params, opt_state, comm_state = state
+        out = f({b: world.put(v, world.sharded()) for b, v in bufs.items()}, params, opt_state,
+                comm_state, jnp.float32(scale))
+        assert bool(out[3])
+        return out[:3]
+
+    return plan, n_dev, step, (params, opt_state, comm_state)
+
+
+def _gradients(plan, n_dev, seed):
+    """Unscaled per-device bucket buffers (metric sums: count 1 per device, the rest 0)."""
+    from trjax.metrics import METRICS
+    rng = np.random.default_rng(seed)
+    mb, mo = plan.metrics_slot
+    bufs = {b: rng.normal(size=(n_dev, n)).astype(np.float32)
+            for b, n in plan.bucket_elements.items()}
+    bufs[mb][:, mo:mo + len(METRICS)] = 0.0
+    bufs[mb][:, mo + METRICS.index("count")] = 1.0
+    return bufs
+
+
+def _scaled(plan, bufs, scale):
+    """What an fp16 step packs at loss scale ``scale``: gradients scaled, metric sums not."""
+    from trjax.metrics import METRICS
+    mb, mo = plan.metrics_slot
+    out = {b: v * np.float32(scale) for b, v in bufs.items()}
+    out[mb][:, mo:mo + len(METRICS)] = bufs[mb][:, mo:mo + len(METRICS)]
+    return out
+
+
+def _without_metrics(plan, b, x):
+    from trjax.metrics import METRICS
+    mb, mo = plan.metrics_slot
+    return np.concatenate([x[..., :mo], x[..., mo + len(METRICS):]], -1) if b == mb else x
+
+
+def test_topk_error_feedback_is_carried_in_unscaled_units_across_a_loss_scale_change():
+    """The field failure (kind 10): with fp16 the error feedback was kept in loss-scaled
+    units, so after the loss scale changed (halved on an overflow, doubled after the growth
+    interval) the carried error was added to the next gradient at the old scale. Now it is
+    the unscaled residual: step 1 at scale 2^10, step 2 at 2^4, checked against top-k by
+    hand on the unscaled gradients (each device: acc = g + error, sent = its k largest
+    magnitudes, error <- acc - sent)."""
+    ratio = 0.05
+    plan, n_dev, step, state = _exchange_harness(lambda plan: C.topk(ratio))
+    g = [_gradients(plan, n_dev, seed) for seed in (1, 2)]
+    error = {b: np.zeros_like(_without_metrics(plan, b, v)) for b, v in g[0].items()}
+    for t, scale in enumerate((2.0 ** 10, 2.0 ** 4)):
+        state = step(_scaled(plan, g[t], scale), state, scale)
+        for b in error:
+            acc = _without_metrics(plan, b, g[t][b]) + error[b]
+            k = C.topk_k(acc.shape[1], ratio)
+            sent = np.zeros_like(acc)
+            for i in range(n_dev):
+                top = np.argsort(-np.abs(acc[i]), kind="stable")[:k]
+                sent[i, top] = acc[i, top]
+            error[b] = acc - sent
+            carried = np.asarray(state[2][b]["error"])
+            np.testing.assert_allclose(carried, error[b], rtol=1e-6, atol=1e-7,
+                                       err_msg=f"step {t + 1}, bucket {b}, scale {scale}")
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd"])
+def test_runs_whose_loss_scale_differs_by_powers_of_two_give_the_same_parameters(name):
+    """Three steps at scales (1, 1, 1) and at (2^12, 2^5, 2^9): the parameters and the carried
+    state agree within rounding (multiplying by a power of two is exact, so in fact they agree
+    to the bit here). With the error carried in scaled units the second run's steps 2 and 3
+    add a 2^7-times-too-large, then a 2^4-times-too-small error."""
+    from trjax.plan import layer_matrices
+    make = (lambda plan: C.topk(0.05)) if name == "topk" else \
+        (lambda plan: {b: C.powersgd(1, layer_matrices(plan, b)) for b in plan.bucket_elements})
+    runs = {}
+    for scales in ((1.0, 1.0, 1.0), (2.0 ** 12, 2.0 ** 5, 2.0 ** 9)):
+        plan, n_dev, step, state = _exchange_harness(make)
+        for t, scale in enumerate(scales):
+            state = step(_scaled(plan, _gradients(plan, n_dev, 10 + t), scale), state, scale)
+        runs[scales] = jax.tree_util.tree_map(np.asarray, state)
+    a, b = runs.values()
+    for x, y in zip(jax.tree_util.tree_leaves(a[0]), jax.tree_util.tree_leaves(b[0])):
+        np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6 * np.abs(x).max())
+    for x, y in zip(jax.tree_util.tree_leaves(a[2]), jax.tree_util.tree_leaves(b[2])):
+        np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6 * np.abs(x).max())

@@ -53,7 +53,7 @@ def test_every_float_key_takes_a_fraction_on_the_command_line(monkeypatch):
 
 def _flat_keys(c, prefix=""):
     for k, v in c.items():
-        if hasattr(v, "items"):
+        if hasattr(v, "items") and config_lib.KEYS.get(prefix + k, None) is None:  # "dict": a leaf
             yield from _flat_keys(v, f"{prefix}{k}.")
         else:
             yield prefix + k

@@ -31,9 +31,9 @@ def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4(monkeypatch):
         assert r["count"] == 10  # 3 batches, the last padded with 2 masked rows
         # against a host computation over the 10 real examples
         from trjax import models
-        m = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None,
-                                input_mean=data.mean, input_std=data.std)
-        logits = jax.jit(lambda v, x: m.apply(v, x, train=False))(  # one program, not op by op
+        m = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None)
+        logits = jax.jit(lambda v, x: m.apply(  # one program, not op by op
+            v, models.normalize(x, data.mean, data.std), train=False))(
             {"params": to_host(tr.state.params), "batch_stats": to_host(tr.state.batch_stats)},
             data.val.images)
         assert r["top1"] == np.mean(np.argmax(np.asarray(logits), 1) == data.val.labels)

@@ -319,16 +319,20 @@ def test_normalize_matches_numpy_and_the_model_applies_it():
     np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-6, atol=1e-6)
     assert models.normalize(x, mean, std, jnp.bfloat16).dtype == jnp.bfloat16
     np.testing.assert_array_equal(models.normalize(x, None, None), x.astype(np.float32))
-    # a model given the statistics on uint8 == the same model on the standardised floats
-    m8 = models.create_model("resnet8", num_classes=10, bn_mode="local", input_mean=mean, input_std=std)
+    # the evaluation step standardises uint8 before the model: == the model on the floats
+    from trjax import steps
     mf = models.create_model("resnet8", num_classes=10, bn_mode="local")
+    net = models.wrap(mf, image_shape=(6, 6, 3), num_classes=10, mean=mean, std=std, check=False)
     variables = jax.jit(lambda k: mf.init(k, jnp.zeros((1, 6, 6, 3)), train=False))(
-        jax.random.key(0))  # each model one program, not op by op
-    np.testing.assert_allclose(
-        np.asarray(jax.jit(lambda v, a: m8.apply(v, a, train=False))(variables, x)),
-        np.asarray(jax.jit(lambda v, a: mf.apply(v, a, train=False))(variables,
-                                                                      ref.astype(np.float32))),
-        rtol=1e-5, atol=1e-5)
+        jax.random.key(0))  # each program once, not op by op
+    w1 = make_world("1", 4)
+    acc = jax.jit(steps.make_eval_step(net, w1, "sync", folded=False))(
+        variables["params"], variables["batch_stats"],
+        {"image": x, "label": np.zeros(4, np.int32), "mask": np.ones(4, np.float32)},
+        np.zeros((1, 4), np.float32))
+    logits = jax.jit(lambda v, a: mf.apply(v, a, train=False))(variables, ref.astype(np.float32))
+    want = -np.sum(jax.nn.log_softmax(np.asarray(logits, np.float64))[:, 0])
+    np.testing.assert_allclose(np.asarray(acc)[0, 0], want, rtol=1e-5)
 
 
 def test_to_device_keeps_uint8_and_checks_and_casts_floats():

@@ -17,6 +17,10 @@ Routes, as docs/gpu.md documents them:
      with --no-build-isolation (setuptools installed from the carried wheels);
   C. scripts/gpu_check.py finds the wheels itself when ml_collections is missing,
      and says what to do when they are missing too.
+
+And installed, not only cloned: ``pip install`` of the repository (not editable) into a
+fresh venv that has everything but trjax, then the ``trjax-train`` command from an empty
+folder trains the main job with a packaged config, the clone deleted.
 """
 import glob
 import json
@@ -30,6 +34,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSING = ("ml_collections", "tensorboardx", "trjax", "__editable__", "_trjax")
+ONLY_TRJAX_MISSING = ("trjax", "__editable__", "_trjax")
 
 
 @pytest.fixture(scope="module")
@@ -57,15 +62,15 @@ def _repo_copy(dest):
     return dest
 
 
-def _fresh_venv(root):
-    """A venv that sees this environment's packages except ml_collections,
-    tensorboardX and trjax; returns its python."""
+def _fresh_venv(root, missing=MISSING):
+    """A venv that sees this environment's packages except ``missing`` (by default
+    ml_collections, tensorboardX and trjax); returns its python."""
     venv, site = root / "venv", root / "image-site-packages"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     site.mkdir()
     ours = sysconfig.get_paths()["purelib"]
     for name in os.listdir(ours):
-        if not name.lower().startswith(MISSING):
+        if not name.lower().startswith(missing):
             os.symlink(os.path.join(ours, name), site / name)
     py = venv / "bin" / "python"
     venv_site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()"
@@ -159,3 +164,34 @@ def test_route_c_gpu_check_takes_the_wheels(tmp_path, wheels):
     r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
     assert r["ok"] and any(w.startswith("ml_collections-") for w in r["wheels_on_path"])
     assert r["parts"]["devices"]["packages"]["ml_collections"]  # importable from the wheel
+
+
+def test_pip_install_then_the_console_command_trains_from_an_empty_folder(tmp_path):
+    """``pip install REPO`` (a wheel built from a copy of the repository: no index, no deps,
+    this environment's setuptools without build isolation), the copy deleted, then
+    ``trjax-train --config default`` in an empty folder: the packaged config, the digits
+    file and the command all come from the installed package. One epoch of ResNet-8 on 2
+    devices (BN momentum 0.5, no warm-up: the running statistics catch up within it)."""
+    repo = _repo_copy(tmp_path / "repo")
+    py = _fresh_venv(tmp_path, missing=ONLY_TRJAX_MISSING)
+    _run([py, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+          str(repo)], tmp_path, _env())
+    shutil.rmtree(repo)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    where = _run([py, "-c", "import trjax, trjax.configs; print(trjax.__file__); "
+                  "print(trjax.configs.names())"], empty, _env()).split("\n")
+    assert where[0].startswith(str(tmp_path / "venv")), where
+    assert where[1] == "['cifar10_resnet20', 'default', 'imagenet_resnet50']", where
+    out = _run([os.path.join(os.path.dirname(py), "trjax-train"), "--config", "default",
+                "--workdir", "runs/x", "--config.model=resnet8", "--config.num_epochs=1",
+                "--config.warmup_epochs=0", "--config.bn_momentum=0.5", "--config.cpu_devices=2",
+                "--config.progress=False", "--config.tensorboard=False"], empty, _env())
+    summary = json.loads((empty / "runs" / "x" / "summary.json").read_text())
+    assert summary["model"] == "resnet8" and summary["world_size"] == 2, summary
+    assert summary["val_top1"] > 0.5, (summary["val_top1"], out[-2000:])
+    assert "val_top1=" in out and "runs/x/summary.json" in out
+    # python -m trjax.train is the same command
+    helped = subprocess.run([py, "-m", "trjax.train", "--help"], cwd=empty, env=_env(),
+                            capture_output=True, text=True, timeout=120)
+    assert "--config: A packaged config's name" in helped.stdout, helped.stdout[-2000:]

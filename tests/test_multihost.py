@@ -59,7 +59,9 @@ def test_two_processes_match_one_process(tmp_path):
           f"max relative {max_rel(multi.params, state.params):.3g}")
 
 
-def test_killed_peer_makes_the_survivor_exit_nonzero(tmp_path):
+def _start_pair(tmp_path):
+    """Two processes of a long run (process 0 holds jax's coordination service), started
+    and read until process 0's first epoch line."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -71,24 +73,52 @@ def test_killed_peer_makes_the_survivor_exit_nonzero(tmp_path):
              "--config.distributed.num_processes=2", f"--config.distributed.process_id={i}",
              "--config.cpu_devices=4", "--config.distributed.heartbeat_timeout_s=10"],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env()))
+    for line in procs[0].stdout:  # wait until training is under way
+        if "epoch   1" in line:
+            break
+    return procs
+
+
+def _lose(procs, victim, sig):
+    """Sends ``sig`` to process ``victim``; returns the survivor's exit code, output and
+    seconds to its exit."""
     try:
-        for line in procs[0].stdout:  # wait until training is under way
-            if "epoch   1" in line:
-                break
-        procs[1].kill()
+        procs[victim].send_signal(sig)
         t0 = time.monotonic()
-        rest = procs[0].communicate(timeout=90)[0]
-        elapsed = time.monotonic() - t0
+        rest = procs[1 - victim].communicate(timeout=90)[0]
+        return procs[1 - victim].returncode, rest, time.monotonic() - t0
     finally:
         for p in procs:
             if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
                 p.kill()
-    assert procs[0].returncode == stops.EXIT_PEER_LOST, rest[-3000:]  # not -6 (jax's abort)
-    assert elapsed < 60
-    # trjax's message, then its own exit code: jax.distributed's shutdown (which would wait
+            p.wait()
+
+
+def test_killed_peer_makes_the_survivor_exit_nonzero_naming_it(tmp_path):
+    """The field failure: the survivor exited at once saying only that "a peer process has
+    probably died". Now its line names its own step and the lost process with the last step
+    that process's heartbeat reported (trjax.train.distributed.PeerMonitor)."""
+    rc, rest, elapsed = _lose(_start_pair(tmp_path), 1, signal.SIGKILL)
+    assert rc == stops.EXIT_PEER_LOST, rest[-3000:]  # not -6 (jax's abort)
+    assert elapsed < 9  # before jax's heartbeat timeout (10 s) would abort it
+    # trjax's line, then its own exit code: jax.distributed's shutdown (which would wait
     # on the dead peer and abort the process, rc -6) is not run
-    assert re.search(r"a collective failed on process 0: .*\ntrjax: a peer process has probably "
-                     r"died; exiting with code 3\.", rest), rest[-3000:]
+    assert re.search(r"trjax: process 0 after step \d+( \([^)]*\))?: process 1 stopped \(last "
+                     r"heartbeat \d+ s ago, at step \d+\): it died or stalled\. Exiting with code "
+                     r"3\.", rest), rest[-3000:]
+
+
+def test_stalled_coordinator_makes_the_survivor_exit_nonzero_naming_it(tmp_path):
+    """The field failure: with a stalled peer the survivor was aborted by jax's runtime
+    (SIGABRT) about a heartbeat timeout later, without a trjax line. SIGSTOP of process 0 (it
+    holds jax's key-value store: the survivor's calls to it hang)."""
+    rc, rest, elapsed = _lose(_start_pair(tmp_path), 0, signal.SIGSTOP)
+    assert rc == stops.EXIT_PEER_LOST, rest[-3000:]
+    assert elapsed < 9
+    assert re.search(r"trjax: process 1 after step \d+: process 0 \(the coordinator[^)]*\) "
+                     r"stopped answering \d+ s ago \(last heartbeat \d+ s ago, at step \d+; "
+                     r"[^\n]*\): it died or stalled\. Exiting with code 3\.", rest), rest[-3000:]
 
 
 def test_sigterm_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path):

@@ -47,7 +47,9 @@ def test_first_conv_is_found_by_call_order_not_name():
     regions = assign_regions(m, v, jax.ShapeDtypeStruct((2, 8, 8, 1), jnp.float32))
     assert regions["params/zzz/kernel"] == Region.FIRST_CONV
     assert regions["params/aaa/kernel"] == Region.DEEP_CONV
-    assert regions["params/zzz/bias"] == Region.FIRST_CONV
+    assert regions["params/zzz/bias"] == Region.BN_BIAS  # every vector: the first bucket
+    assert regions["params/aaa/bias"] == Region.BN_BIAS
+    assert regions["params/fc/kernel"] == Region.FC_WEIGHT
 
 
 def test_plan_layout_and_roundtrip():

@@ -17,8 +17,9 @@ def _host_eval(model_name, data, params, batch_stats):
     import jax
     from trjax import models
     model = models.create_model(model_name, num_classes=data.num_classes, bn_mode="running",
-                                axis_name=None, input_mean=data.mean, input_std=data.std)
-    logits = np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(  # one program
+                                axis_name=None)
+    logits = np.asarray(jax.jit(lambda v, x: model.apply(  # one program
+        v, models.normalize(x, data.mean, data.std), train=False))(
         {"params": jax.tree_util.tree_map(np.asarray, params),
          "batch_stats": jax.tree_util.tree_map(np.asarray, batch_stats)}, data.val.images),
         np.float64)
@@ -151,11 +152,12 @@ def test_validation_metrics_identical_for_world_sizes_1_2_8(monkeypatch):
     # against a host computation: the model applied to the whole set, numpy metrics
     import jax
     from trjax import models
-    model = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None,
-                                input_mean=tr1.data.mean, input_std=tr1.data.std)
+    model = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name=None)
     p = jax.tree_util.tree_map(np.asarray, tr1.state.params)
     bs = jax.tree_util.tree_map(np.asarray, tr1.state.batch_stats)
-    logits = np.asarray(jax.jit(lambda v, x: model.apply(v, x, train=False))(  # one program
+    mean, std = tr1.data.mean, tr1.data.std
+    logits = np.asarray(jax.jit(lambda v, x: model.apply(  # one program
+        v, models.normalize(x, mean, std), train=False))(
         {"params": p, "batch_stats": bs}, tr1.data.val.images), np.float64)
     y = tr1.data.val.labels
     top1 = np.sum(np.argmax(logits, 1) == y)
@@ -238,8 +240,9 @@ def test_the_data_set_size_checks_run_before_compiling(monkeypatch):
 def test_config_combinations_are_checked_in_one_place():
     from trjax.train.config import validate
     validate(small_config(shard_optimizer_state=True))
-    with pytest.raises(ValueError, match="config.shard_optimizer_state=True .* needs optimizer='sgd', "
-                                         "compression='none' and allreduce='xla' .*'lars'"):
+    with pytest.raises(ValueError, match="config.shard_optimizer_state=True .* needs optimizer='sgd' "
+                                         "or 'adamw', compression='none' and allreduce='xla' "
+                                         ".*'lars'"):
         validate(small_config(shard_optimizer_state=True, optimizer="lars"))
     with pytest.raises(ValueError, match="config.buckets='size:0' is not one of"):
         validate(small_config(buckets="size:0"))
@@ -273,7 +276,7 @@ def test_training_loop_makes_no_implicit_transfers():
     copy of a train step, the metrics reader and a validation pass is explicit."""
     import jax
     from trjax.data import input_pipeline as ip
-    from trjax.train import MetricsReader
+    from trjax.train.loop_io import MetricsReader
     tr = setup(small_config(global_batch_size=32, eval_batch_size=64))
     state, reader, world = tr.state, MetricsReader(1, False, False), tr.world
     batches = ip.iterate_batches(tr.data.train, 32, shuffle=True, seed=0, epoch=1)

@@ -4,8 +4,9 @@ The design sits at the top of the package, one module per concept, in the
 order data flows (each imports only modules above it):
 
 * ``world`` -- devices, the named mesh and its axes, the global/local batch split.
-* ``models``, ``batchnorm`` -- ResNets with sync/running/local BatchNorm
-  (masked, count-weighted statistics); ``models.normalize`` standardises the
+* ``models``, ``batchnorm`` -- the built-in ResNets and any user flax model
+  (linen or nnx, ``models.wrap``), whose BatchNorm layers get sync/running/local
+  statistics (masked, count-weighted); ``models.normalize`` standardises the
   uint8 input inside the compiled step.
 * ``metrics`` -- the per-step sums (``StepMetrics``); ``regions`` -> ``plan``
   (the MemoryPlan: gradient regions, the two buckets, the ZeRO-1 layout).
@@ -21,8 +22,9 @@ order data flows (each imports only modules above it):
 
 The machinery lives in sub-packages: ``trjax.data`` (sources, augmentation,
 the host input pipeline), ``trjax.cpu`` (the XLA:CPU backend, its compile
-options, im2col) and ``trjax.train`` (config, trainer, loop, checkpoints,
-stops, several processes, the compilation cache). ``data`` and ``cpu`` import
+options, im2col), ``trjax.train`` (config, trainer, loop, checkpoints, stops,
+several processes, the compilation cache, the ``trjax-train`` command in
+``main``) and ``trjax.configs`` (the shipped configs). ``data`` and ``cpu`` import
 nothing else of trjax; the design never imports ``data`` or ``train``; nothing
 outside ``train`` imports it (``tests/test_imports.py`` checks the rule).
 

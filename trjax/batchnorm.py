@@ -71,10 +71,14 @@ one real row [4] plus padding: m = 1.0, v = 3.0, unbiased 4.0.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 from typing import Any, Optional
 
 import flax.linen as nn
 import jax.numpy as jnp
+from flax.linen.dtypes import canonicalize_dtype
 from jax import lax
 
 BN_MODES = ("sync", "running", "local")
@@ -145,7 +149,7 @@ def moments(sums, shift):
     return shift + offset, var, n
 
 
-def running_update(mean, var, sums, momentum: float):
+def running_update(mean, var, sums, momentum: float, unbiased: bool = True):
     """The running statistics after one batch (the rule in the module docstring).
 
     Args:
@@ -154,20 +158,24 @@ def running_update(mean, var, sums, momentum: float):
       sums: ``[2C + 1]`` float32 packed ``(sum (x - mean), sum (x - mean)^2,
         n)`` of the batch's real rows (global where the mode is).
       momentum: decay of the running statistics.
+      unbiased: the batch variance enters made unbiased by ``n / (n - 1)`` (as
+        PyTorch's BatchNorm / SyncBatchNorm and :class:`BatchNorm`); ``False``:
+        the biased variance, as flax's ``linen.BatchNorm`` / ``nnx.BatchNorm``
+        update theirs.
 
     Returns:
       ``(mean, var)`` ``[C]``: unchanged when ``n == 0``; otherwise
-      ``momentum * old + (1 - momentum) * batch`` with the batch variance
-      made unbiased by ``n / (n - 1)`` (as PyTorch's BatchNorm / SyncBatchNorm).
+      ``momentum * old + (1 - momentum) * batch``.
     """
     b_mean, b_var, n = moments(sums, mean)
-    unbiased = b_var * jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
+    if unbiased:
+        b_var = b_var * jnp.where(n > 1, n / jnp.maximum(n - 1, 1.0), 1.0)
     has_rows = n > 0
     return (jnp.where(has_rows, momentum * mean + (1 - momentum) * b_mean, mean),
-            jnp.where(has_rows, momentum * var + (1 - momentum) * unbiased, var))
+            jnp.where(has_rows, momentum * var + (1 - momentum) * b_var, var))
 
 
-def update_running_tree(batch_stats, bn_sums, momentum: float):
+def update_running_tree(batch_stats, bn_sums, momentum: float = 0.9, rules=None):
     """Applies :func:`running_update` to every BatchNorm of a model.
 
     Args:
@@ -177,18 +185,111 @@ def update_running_tree(batch_stats, bn_sums, momentum: float):
       bn_sums: the ``bn_sums`` collection the model wrote in training
         (``{..module path..: {"sums": [2C + 1]}}``, same module paths, shifted
         sums as :func:`moments` reads them), summed over devices and
-        micro-batches as the mode requires.
-      momentum: the BatchNorm momentum.
+        micro-batches as the mode requires. A layer without sums (not called
+        in training) keeps its statistics.
+      momentum: the BatchNorm momentum of every layer not in ``rules``
+        (unbiased variance).
+      rules: ``{module path tuple: (momentum, unbiased)}`` per layer, as
+        :class:`BatchNormContext` records them while the model is traced
+        (flax's layers: their own momentum, biased variance).
 
     Returns:
-      The new ``batch_stats`` tree.
+      The new ``batch_stats`` tree (each leaf in its own dtype).
     """
-    def walk(st, sm):
-        if "mean" in st and "var" in st:
-            m, v = running_update(st["mean"], st["var"], sm["sums"], momentum)
-            return {"mean": m, "var": v}
-        return {k: walk(st[k], sm[k]) for k in st}
-    return walk(batch_stats, bn_sums)
+    rules = rules or {}
+
+    def walk(st, sm, path):
+        if "mean" in st and "var" in st and not isinstance(st["mean"], dict):
+            if sm is None or "sums" not in sm:
+                return st
+            mom, unbiased = rules.get(path, (momentum, True))
+            m, v = running_update(st["mean"].astype(jnp.float32), st["var"].astype(jnp.float32),
+                                  sm["sums"], mom, unbiased)
+            return {"mean": m.astype(st["mean"].dtype), "var": v.astype(st["var"].dtype)}
+        return {k: walk(st[k], None if sm is None else sm.get(k), path + (k,)) for k in st}
+    return walk(batch_stats, bn_sums, ())
+
+
+def train_normalize(x, mask, r, scale, bias, epsilon: float, mode: str, axis_name=None):
+    """BatchNorm's training forward pass: normalised output and packed batch sums.
+
+    The computation of :class:`BatchNorm` in training (module docstring,
+    "Precision"), shared with the adapters for flax's own BatchNorm layers
+    (:func:`linen_interceptor`, :func:`swap_nnx_batchnorms`).
+
+    Args:
+      x: ``[B, ..., C]`` activations (any float dtype; computed in float32).
+      mask: ``[B]`` float/bool, 1 for real rows, or ``None`` (every row real).
+      r: ``[C]`` float32, the running mean (the shift of the packed sums; the
+        same for every row the sums are added over), under ``stop_gradient``.
+      scale, bias: ``[C]`` float32 or ``None`` (no scale / no bias).
+      epsilon: added to the variance.
+      mode: one of :data:`BN_MODES`; ``sync`` with an ``axis_name`` normalises
+        with the global statistics (one ``psum`` of the packed vector forward,
+        one backward), otherwise with this device's own.
+      axis_name: the data axis (``sync`` mode), or ``None`` (one device).
+
+    Returns:
+      ``(y [B, ..., C] float32, sums [2C + 1] float32)``: ``y`` is zero on
+      padding rows; ``sums`` is ``(sum (x - r), sum (x - r)^2, n)`` over real
+      rows under ``stop_gradient``, global in ``sync`` mode, as
+      :func:`update_running_tree` reads it.
+    """
+    xf = x.astype(jnp.float32)
+    axes = tuple(range(x.ndim - 1))
+    rows_per_example = 1
+    for size in x.shape[1:-1]:
+        rows_per_example *= size
+    if mask is None:
+        real = None
+        count = jnp.asarray(x.shape[0] * rows_per_example, jnp.float32)
+        first = xf[0]
+    else:
+        is_real = mask > 0
+        real = is_real.reshape((-1,) + (1,) * (x.ndim - 1))
+        count = jnp.sum(is_real.astype(jnp.float32)) * rows_per_example
+        first = xf[jnp.argmax(is_real)]  # the first real row (row 0 if none)
+    # s: this device's own shift, a value inside its data (the spatial mean of its first
+    # real example); r where it has no real row (then nothing is summed around it).
+    s = jnp.mean(first, tuple(range(first.ndim - 1))) if first.ndim > 1 else first
+    if real is not None:
+        s = jnp.where(jnp.any(is_real), s, r)
+    s = lax.stop_gradient(s)
+    xs = xf - _per_channel(s, x)
+    if real is not None:
+        # select, not multiply: NaN / inf in padding rows must reach no sum and no gradient
+        xs = jnp.where(real, xs, jnp.zeros((), jnp.float32))
+    s1 = jnp.sum(xs, axes)
+    s2 = jnp.sum(xs * xs, axes)
+    # the few totals re-centred on r:
+    # sum (x - r) = S1 + n d,  sum (x - r)^2 = S2 + 2 d S1 + n d^2
+    d = s - r
+    packed = jnp.concatenate([s1 + count * d, s2 + 2.0 * d * s1 + count * d * d,
+                              count[None]])
+    stats_packed = lax.stop_gradient(packed)
+    if mode == "sync" and axis_name is not None:
+        # One all-reduce forward. The explicit cast back to "varying" puts the
+        # backward all-reduce (its transpose) on the packed vector: one
+        # collective per layer in backward too, instead of one per statistic.
+        stats_packed = lax.psum(stats_packed, axis_name)
+        packed = lax.pcast(lax.psum(packed, axis_name), axis_name, to="varying")
+        offset, var, _ = _centred_moments(packed)  # mean - r, from the global sums
+        centre = offset - d  # mean - s
+    else:
+        # local statistics: straight from this device's s-shifted sums
+        n = jnp.maximum(count, 1.0)
+        centre = s1 / n
+        var = jnp.maximum(s2 / n - centre * centre, 0.0)
+    a = lax.rsqrt(var + epsilon) if scale is None else scale * lax.rsqrt(var + epsilon)
+    # from the shifted values, so that autodiff's backward is centred too
+    y = (xs - _per_channel(centre, x)) * _per_channel(a, x)
+    if bias is not None:
+        y = y + _per_channel(bias, x)
+    if real is not None:
+        # Padding rows leave every BN as exact zeros: they cannot grow without
+        # bound through layers normalised by other rows' (or no rows') statistics.
+        y = jnp.where(real, y, jnp.zeros((), jnp.float32))
+    return y, stats_packed
 
 
 def _per_channel(v, x):
@@ -251,55 +352,10 @@ class BatchNorm(nn.Module):
             return (x * _per_channel(a.astype(self.dtype), x)
                     + _per_channel(b.astype(self.dtype), x)).astype(self.dtype)
 
-        xf = x.astype(jnp.float32)
-        axes = tuple(range(x.ndim - 1))
-        rows_per_example = 1
-        for size in x.shape[1:-1]:
-            rows_per_example *= size
         # r: the shift of the packed sums, the same for every row they are added over
         # (replicated in sync / running, this replica's in local; fixed over micro-batches).
-        r = lax.stop_gradient(ra_mean.value)
-        if mask is None:
-            real = None
-            count = jnp.asarray(x.shape[0] * rows_per_example, jnp.float32)
-            first = xf[0]
-        else:
-            is_real = mask > 0
-            real = is_real.reshape((-1,) + (1,) * (x.ndim - 1))
-            count = jnp.sum(is_real.astype(jnp.float32)) * rows_per_example
-            first = xf[jnp.argmax(is_real)]  # the first real row (row 0 if none)
-        # s: this device's own shift, a value inside its data (the spatial mean of its first
-        # real example); r where it has no real row (then nothing is summed around it).
-        s = jnp.mean(first, tuple(range(first.ndim - 1))) if first.ndim > 1 else first
-        if real is not None:
-            s = jnp.where(jnp.any(is_real), s, r)
-        s = lax.stop_gradient(s)
-        xs = xf - _per_channel(s, x)
-        if real is not None:
-            # select, not multiply: NaN / inf in padding rows must reach no sum and no gradient
-            xs = jnp.where(real, xs, jnp.zeros((), jnp.float32))
-        s1 = jnp.sum(xs, axes)
-        s2 = jnp.sum(xs * xs, axes)
-        # the few totals re-centred on r:
-        # sum (x - r) = S1 + n d,  sum (x - r)^2 = S2 + 2 d S1 + n d^2
-        d = s - r
-        packed = jnp.concatenate([s1 + count * d, s2 + 2.0 * d * s1 + count * d * d,
-                                  count[None]])
-        stats_packed = lax.stop_gradient(packed)
-        if self.mode == "sync" and self.axis_name is not None:
-            # One all-reduce forward. The explicit cast back to "varying" puts the
-            # backward all-reduce (its transpose) on the packed vector: one
-            # collective per layer in backward too, instead of one per statistic.
-            stats_packed = lax.psum(stats_packed, self.axis_name)
-            packed = lax.pcast(lax.psum(packed, self.axis_name), self.axis_name, to="varying")
-            offset, var, _ = _centred_moments(packed)  # mean - r, from the global sums
-            centre = offset - d  # mean - s
-        else:
-            # local statistics: straight from this device's s-shifted sums
-            n = jnp.maximum(count, 1.0)
-            centre = s1 / n
-            var = jnp.maximum(s2 / n - centre * centre, 0.0)
-
+        y, stats_packed = train_normalize(x, mask, lax.stop_gradient(ra_mean.value), scale, bias,
+                                          self.epsilon, self.mode, self.axis_name)
         if self.is_mutable_collection("bn_sums") and not self.is_initializing():
             # This batch's sums (global in sync mode), for the caller to add over
             # devices / micro-batches and apply with update_running_tree.
@@ -309,12 +365,198 @@ class BatchNorm(nn.Module):
             # ("invariant") across the data axis in sync mode.
             ra_mean.value, ra_var.value = running_update(ra_mean.value, ra_var.value,
                                                          stats_packed, self.momentum)
-
-        a = scale * lax.rsqrt(var + self.epsilon)
-        # from the shifted values, so that autodiff's backward is centred too
-        y = (xs - _per_channel(centre, x)) * _per_channel(a, x) + _per_channel(bias, x)
-        if real is not None:
-            # Padding rows leave every BN as exact zeros: they cannot grow without
-            # bound through layers normalised by other rows' (or no rows') statistics.
-            y = jnp.where(real, y, jnp.zeros((), jnp.float32))
         return y.astype(self.dtype)
+
+
+# -- flax's own BatchNorm layers (linen and nnx) with trjax's statistics ------------------
+
+
+@dataclasses.dataclass
+class BatchNormContext:
+    """What the adapters of flax's BatchNorm layers need while a model is traced
+    in training, and what they record.
+
+    Attributes:
+      mode: one of :data:`BN_MODES` (the train step's).
+      axis_name: the data axis (``sync`` mode reduces over it), or ``None``.
+      mask: ``[B]`` float32, 1 for real rows, or ``None`` (every row real).
+      rules: filled while tracing: ``{module path tuple: (momentum,
+        unbiased)}`` of every BatchNorm called in training (for
+        :func:`update_running_tree`).
+      sums: filled while tracing (nnx layers): ``{module path tuple: [2C + 1]}``.
+      nnx_paths: ``{id(layer): module path tuple}`` of the nnx layers adapted
+        by :func:`swap_nnx_batchnorms`.
+    """
+    mode: str
+    axis_name: Optional[str] = None
+    mask: Any = None
+    rules: dict = dataclasses.field(default_factory=dict)
+    sums: dict = dataclasses.field(default_factory=dict)
+    nnx_paths: dict = dataclasses.field(default_factory=dict)
+
+
+def _feature_axis(x, axis, layer: str) -> int:
+    """The one feature axis of a flax BatchNorm (``axis``), checked."""
+    axes = (axis,) if isinstance(axis, int) else tuple(axis)
+    if len(axes) != 1:
+        raise NotImplementedError(f"{layer}: BatchNorm(axis={axis!r}) normalises over several "
+                                  "feature axes; trjax's statistics take one feature axis "
+                                  "(the default axis=-1)")
+    ax = axes[0] % x.ndim
+    if ax == 0:
+        raise ValueError(f"{layer}: BatchNorm(axis={axis!r}) makes the batch axis the feature "
+                         "axis; trjax masks padding rows along axis 0")
+    return ax
+
+
+def _out_dtype(dtype, *args):
+    """A flax normalisation layer's output dtype: ``dtype``, else the promoted
+    dtype of its input and (present) variables, as flax computes it."""
+    return canonicalize_dtype(*[a for a in args if a is not None], dtype=dtype)
+
+
+def _adapted_normalize(x, ax: int, ctx: BatchNormContext, mean, scale, bias, epsilon, layer):
+    """:func:`train_normalize` of a flax layer's input with feature axis ``ax``:
+    ``(y float32 in x's layout, packed sums)``."""
+    if ctx.mask is not None and ctx.mask.shape[0] != x.shape[0]:
+        raise ValueError(f"{layer}: a BatchNorm input of {x.shape[0]} rows (shape {x.shape}) "
+                         f"against a batch of {ctx.mask.shape[0]}: trjax masks padding rows "
+                         "along axis 0, so BatchNorm must see the batch's rows on axis 0")
+    f32 = lambda v: None if v is None else jnp.asarray(v).astype(jnp.float32)
+    xl = jnp.moveaxis(x, ax, -1) if ax != x.ndim - 1 else x
+    y, sums = train_normalize(xl, ctx.mask, lax.stop_gradient(f32(mean)), f32(scale), f32(bias),
+                              epsilon, ctx.mode, ctx.axis_name)
+    return (jnp.moveaxis(y, -1, ax) if ax != x.ndim - 1 else y), sums
+
+
+def _linen_flax_batchnorm(mod, ctx: BatchNormContext, next_fun, args, kwargs):
+    """``flax.linen.BatchNorm.__call__`` in training with trjax's statistics; with
+    running averages (or at init) flax's own code."""
+    x = args[0]
+    ura = args[1] if len(args) > 1 else kwargs.get("use_running_average")
+    ura = nn.merge_param("use_running_average", mod.use_running_average, ura)
+    if mod.is_initializing():
+        return next_fun(*args, **kwargs)
+    ctx.rules[tuple(mod.path)] = (mod.momentum, False)
+    if ura:  # frozen in training: no sums, its statistics stay as they are
+        return next_fun(*args, **kwargs)
+    layer = "/".join(mod.path)
+    if kwargs.get("mask") is not None:
+        raise NotImplementedError(f"{layer}: BatchNorm(..., mask=...) in training; trjax masks "
+                                  "the batch's padding rows itself: leave mask unset")
+    ax = _feature_axis(x, mod.axis, layer)
+    c = x.shape[ax]
+    stat = jnp.float32 if mod.force_float32_reductions else mod.param_dtype
+    ra_mean = mod.variable("batch_stats", "mean", lambda s: jnp.zeros(s, stat), (c,))
+    ra_var = mod.variable("batch_stats", "var", lambda s: jnp.ones(s, stat), (c,))
+    scale = mod.param("scale", mod.scale_init, (c,), mod.param_dtype) if mod.use_scale else None
+    bias = mod.param("bias", mod.bias_init, (c,), mod.param_dtype) if mod.use_bias else None
+    y, sums = _adapted_normalize(x, ax, ctx, ra_mean.value, scale, bias, mod.epsilon, layer)
+    if mod.is_mutable_collection("bn_sums"):
+        mod.put_variable("bn_sums", "sums", sums)
+    if mod.is_mutable_collection("batch_stats"):
+        new = update_running_tree({"mean": ra_mean.value, "var": ra_var.value}, {"sums": sums},
+                                  mod.momentum, {(): (mod.momentum, False)})
+        ra_mean.value, ra_var.value = new["mean"], new["var"]
+    return y.astype(_out_dtype(mod.dtype, x, scale, bias))
+
+
+def linen_interceptor(ctx: BatchNormContext):
+    """A :func:`flax.linen.intercept_methods` interceptor for training.
+
+    ``flax.linen.BatchNorm`` (any ``momentum``, ``epsilon``, ``axis``,
+    ``use_scale`` / ``use_bias``, ``dtype``; its ``axis_name`` is ignored: the
+    mode decides) computes trjax's statistics (:func:`train_normalize`: masked,
+    shifted sums, count-weighted over devices and micro-batches by the step)
+    with the layer's own parameters and variables (``params/<path>/{scale,
+    bias}``, ``batch_stats/<path>/{mean, var}``), writes its sums to
+    ``bn_sums`` and records ``(momentum, unbiased=False)``: the running update
+    keeps flax's rule (biased batch variance). With running averages it runs
+    flax's own code. A :class:`BatchNorm` (trjax's) called without a mask gets
+    ``ctx.mask``; its rule is ``(momentum, unbiased=True)``. Every other method
+    runs unchanged.
+
+    Raises (while tracing):
+      NotImplementedError: a flax BatchNorm given ``mask=`` or several feature axes.
+      ValueError: a BatchNorm input whose axis 0 is not the batch's rows.
+    """
+    def intercept(next_fun, args, kwargs, context):
+        mod = context.module
+        if context.method_name != "__call__":
+            return next_fun(*args, **kwargs)
+        if isinstance(mod, BatchNorm):
+            train = args[1] if len(args) > 1 else kwargs.get("train")
+            mask = args[2] if len(args) > 2 else kwargs.get("mask")
+            if mod.is_initializing():
+                return next_fun(*args, **kwargs)
+            ctx.rules[tuple(mod.path)] = (mod.momentum, True)
+            if train and mask is None:
+                return next_fun(args[0], train, mask=ctx.mask)
+            return next_fun(*args, **kwargs)
+        if isinstance(mod, nn.BatchNorm):
+            return _linen_flax_batchnorm(mod, ctx, next_fun, args, kwargs)
+        return next_fun(*args, **kwargs)
+    return intercept
+
+
+_NNX_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("trjax_nnx_batchnorm", default=None)
+_NNX_CLASSES: dict = {}
+
+
+@contextlib.contextmanager
+def nnx_context(ctx: BatchNormContext):
+    """While active, the layers :func:`swap_nnx_batchnorms` adapted use ``ctx``."""
+    token = _NNX_CONTEXT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _NNX_CONTEXT.reset(token)
+
+
+def _nnx_train_call(self, x, use_running_average=None, *, mask=None):
+    """``nnx.BatchNorm.__call__`` with trjax's statistics in training (see
+    :func:`swap_nnx_batchnorms`); nnx's own code otherwise."""
+    from flax import nnx
+    ctx = _NNX_CONTEXT.get()
+    ura = use_running_average if use_running_average is not None else self.use_running_average
+    if ctx is None or ura is None or id(self) not in ctx.nnx_paths:
+        return nnx.BatchNorm.__call__(self, x, use_running_average, mask=mask)
+    path = ctx.nnx_paths[id(self)]
+    ctx.rules[path] = (self.momentum, False)
+    if ura:  # frozen in training: no sums, its statistics stay as they are
+        return nnx.BatchNorm.__call__(self, x, use_running_average, mask=mask)
+    layer = "/".join(map(str, path))
+    if mask is not None:
+        raise NotImplementedError(f"{layer}: nnx.BatchNorm(..., mask=...) in training; trjax "
+                                  "masks the batch's padding rows itself: leave mask unset")
+    ax = _feature_axis(x, self.axis, layer)
+    scale = self.scale[...] if self.scale is not None else None
+    bias = self.bias[...] if self.bias is not None else None
+    y, sums = _adapted_normalize(x, ax, ctx, self.mean[...], scale, bias, self.epsilon, layer)
+    ctx.sums[path] = sums
+    return y.astype(_out_dtype(self.dtype, x, self.mean[...], scale, bias))
+
+
+def swap_nnx_batchnorms(module, ctx: BatchNormContext) -> None:
+    """Gives every ``nnx.BatchNorm`` of ``module`` trjax's training statistics.
+
+    ``module`` must be a copy made for one trace (``nnx.merge`` inside the
+    step): each layer's class becomes a subclass whose ``__call__``, while
+    :func:`nnx_context` holds ``ctx`` and the layer is in training
+    (``use_running_average`` False), computes :func:`train_normalize` with the
+    layer's ``scale``, ``bias``, ``mean``, ``epsilon`` and ``axis``, and
+    records its sums in ``ctx.sums`` and ``(momentum, unbiased=False)`` in
+    ``ctx.rules`` (flax's running rule, biased variance). The step updates the
+    running statistics from the sums; the layer's own variables are not
+    written. A subclass that overrides ``__call__`` is left as it is.
+    """
+    from flax import nnx
+    for path, node in nnx.iter_graph(module):
+        cls = type(node)
+        if isinstance(node, nnx.BatchNorm) and cls.__call__ is nnx.BatchNorm.__call__:
+            if cls not in _NNX_CLASSES:
+                _NNX_CLASSES[cls] = type(f"Trjax{cls.__name__}", (cls,),
+                                         {"__call__": _nnx_train_call,
+                                          "__module__": __name__})
+            ctx.nnx_paths[id(node)] = tuple(path)
+            node.__class__ = _NNX_CLASSES[cls]

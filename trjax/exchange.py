@@ -31,6 +31,13 @@ uncompressed before a start step, as optax's ``conditionally_transform`` and
 PyTorch's ``start_powerSGD_iter``), :func:`shard_optimizer_state` (ZeRO-1).
 :func:`from_config` picks one. The mean is ``sum / global count``, applied
 once, inside the optimizer update (:func:`_apply_mean`).
+
+The optimizer recipe on top (issue 30): :func:`clip_before` (clipping by the
+global norm of the exact mean gradient, ``config.grad_clip_norm``; ZeRO-1 has its
+own, :func:`shard_optimizer_state`'s ``clip_norm``), :func:`with_ema` (an
+exponential moving average of the parameters, ``config.ema_decay``, read by
+:func:`ema_params` / :func:`ema_state`) and ``from_config(..., tx=)``: any optax
+transformation in place of the config's optimizer.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -100,15 +108,120 @@ def _apply_mean(tx, plan: MemoryPlan, reduced, params, opt_state, loss_scale):
     return optax.apply_updates(params, updates), opt_state, sums, finite
 
 
+def clip_before(tx: optax.GradientTransformation, max_norm: float) -> optax.GradientTransformation:
+    """``tx`` after ``optax.clip_by_global_norm(max_norm)`` (Pascanu et al. 2013):
+    with ``n = sqrt(sum over every leaf of sum(g**2))``, ``g <- g * max_norm / n``
+    when ``n >= max_norm``. ``max_norm == 0``: ``tx`` itself (off).
+
+    In the replicated exchanges (:func:`allreduce`, :func:`compressed`) ``tx``
+    sees the exact global mean gradient, the same on every replica, so the
+    norm and the clipped gradient are the same everywhere (no collective).
+    The clip comes before the optimizer's own terms (``sgd``/``lars``' weight
+    decay is added to the clipped gradient). Adds an ``EmptyState`` in front
+    of ``tx``'s state (``optax.chain``).
+
+    Raises:
+      ValueError: a negative ``max_norm``.
+    """
+    if max_norm < 0:
+        raise ValueError(f"clip norm {max_norm!r} must be >= 0 (0: off)")
+    return tx if max_norm == 0 else optax.chain(optax.clip_by_global_norm(max_norm), tx)
+
+
+def _clip_like_optax(tree, norm, max_norm: float):
+    """``optax.clip_by_global_norm``'s formula with the norm given (ZeRO-1: the
+    norm of all shards together): ``t`` where ``norm < max_norm``, else
+    ``t / norm * max_norm``."""
+    return jax.tree_util.tree_map(
+        lambda t: lax.select(norm < max_norm, t, (t / norm.astype(t.dtype)) * max_norm), tree)
+
+
+class EmaState(NamedTuple):
+    """The optimizer state of an exchange :func:`with_ema`: the exchange's own
+    (``opt``) and the parameters' moving average (``ema``: shaped, typed and
+    laid out as the params, replicated). In a checkpoint: ``opt_state/opt/...``
+    and ``opt_state/ema/<param path>``."""
+    opt: Any
+    ema: Any
+
+
+def with_ema(exchange: GradientExchange, decay: float) -> GradientExchange:
+    """``exchange`` that also keeps an exponential moving average of the params.
+
+    After each update ``ema <- decay * ema + (1 - decay) * params`` (the new
+    params, per leaf, in float32; Polyak & Juditsky 1992 averaging in its
+    exponential form, as TensorFlow's ``ExponentialMovingAverage``); the
+    average starts at the initial params. It lives in the optimizer state
+    (:class:`EmaState`, replicated, ``P()``), so the train step's skip of a
+    non-finite update leaves it as it was, a checkpoint holds it and a resume
+    restores it bit for bit (replicated, it adds no world-size condition to a
+    checkpoint). Works over every exchange
+    (ZeRO-1 included: the average is of the all-gathered params). Only
+    ``params`` are averaged: evaluating the average (:func:`ema_state`) uses
+    the state's BN running statistics as they are.
+
+    Args:
+      exchange: any :class:`GradientExchange`.
+      decay: in ``(0, 1)``.
+
+    Raises:
+      ValueError: ``decay`` outside ``(0, 1)``.
+    """
+    if not 0.0 < decay < 1.0:
+        raise ValueError(f"EMA decay {decay!r} must be in (0, 1)")
+
+    def init(params, world):
+        opt_state, comm_state = exchange.init(params, world)
+        ema = jax.tree_util.tree_map(jnp.copy, params)
+        return EmaState(opt_state, ema), comm_state
+
+    def specs(axis_name):
+        opt_specs, comm_specs = exchange.specs(axis_name)
+        return EmaState(opt_specs, P()), comm_specs
+
+    def update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name):
+        up = exchange.update(buffers, params, opt_state.opt, comm_state, step, loss_scale,
+                             axis_name)
+        ema = jax.tree_util.tree_map(lambda e, p: decay * e + (1.0 - decay) * p,
+                                     opt_state.ema, up.params)
+        return up._replace(opt_state=EmaState(up.opt_state, ema))
+
+    return exchange._replace(name=f"{exchange.name}+ema", init=init, specs=specs, update=update)
+
+
+def ema_params(state):
+    """The EMA of the params of a train state (or of its ``opt_state``) built
+    by :func:`with_ema`; ``None`` without one."""
+    opt_state = getattr(state, "opt_state", state)
+    return opt_state.ema if isinstance(opt_state, EmaState) else None
+
+
+def ema_state(state):
+    """``state`` with its ``params`` replaced by their EMA (:func:`ema_params`),
+    everything else as it is: the same shapes and shardings, so the compiled
+    BN fold and eval step take it as they are (an evaluation of the EMA with
+    the state's BN statistics, without another program).
+
+    Raises:
+      ValueError: the state has no EMA (``config.ema_decay == 0``).
+    """
+    ema = ema_params(state)
+    if ema is None:
+        raise ValueError("this train state has no EMA of its params (config.ema_decay=0)")
+    return state.replace(params=ema)
+
+
 def _replicated(name, tx, plan, reduce, check_vma, init_comm, checkpoint_keys):
     """An exchange with the optimizer state replicated: ``reduce(buffers,
-    comm_state, step) -> ({bucket: sum}, comm_state)`` then :func:`_apply_mean`."""
+    comm_state, step, axis_name, loss_scale) -> ({bucket: sum}, comm_state)``
+    (sums in the buffers' units: loss-scaled with a loss scale) then
+    :func:`_apply_mean`."""
 
     def init(params, world):
         return jax.jit(tx.init, out_shardings=world.replicated())(params), init_comm(world)
 
     def update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name):
-        reduced, comm_state = reduce(buffers, comm_state, step, axis_name)
+        reduced, comm_state = reduce(buffers, comm_state, step, axis_name, loss_scale)
         params, opt_state, sums, finite = _apply_mean(tx, plan, reduced, params, opt_state,
                                                       loss_scale)
         return Update(params, opt_state, comm_state, sums, finite, list(reduced.values())[-1])
@@ -145,7 +258,7 @@ def allreduce(tx: optax.GradientTransformation, plan: MemoryPlan, algorithm: str
         reduce_fn = None if algorithm == "xla" else allreduce_lib.ALGORITHMS[algorithm]
     chain = plan.policy != "per_leaf"
 
-    def reduce(buffers, comm_state, step, axis_name):
+    def reduce(buffers, comm_state, step, axis_name, loss_scale=None):
         return collectives.allreduce_buckets(buffers, axis_name, chain=chain,
                                              reduce_fn=reduce_fn), comm_state
 
@@ -175,6 +288,14 @@ def compressed(tx: optax.GradientTransformation, plan: MemoryPlan, compressors,
     per bucket, one row per replica (error feedback is per device). Not
     VMA-typed: the results are replicated in value but typed per device.
 
+    With a loss scale (fp16) a compressor that keeps state (error feedback,
+    PowerSGD's warm-start ``Q``) gets the bucket divided by the scale and its
+    sum is multiplied back (both exact for the power-of-two scales of
+    :func:`trjax.precision.update_loss_scale`): the state stays in unscaled
+    units, so an error carried across a change of the scale is added at its
+    true weight. A stateless one (``none``, ``bf16``, ``fp16``) sends the
+    scaled bucket, which keeps small gradients inside float16's range.
+
     Args:
       compressors: one compressor for every bucket, or ``{bucket: compressor}``
         (:func:`exact_below`).
@@ -192,13 +313,16 @@ def compressed(tx: optax.GradientTransformation, plan: MemoryPlan, compressors,
             (size - (nm if b == mbucket else 0),), jnp.float32)))
             for b, size in plan.bucket_elements.items()}
 
-    def reduce(buffers, comm_state, step, axis_name):
+    def reduce(buffers, comm_state, step, axis_name, loss_scale=None):
         reduced, new_comm, previous = {}, {}, None
         for b, x in buffers.items():
             if previous is not None:
                 x = collectives.after(x, previous)
             st = jax.tree_util.tree_map(lambda v: v[0], comm_state[b])
             compress = per_bucket[b].allreduce
+            if loss_scale is not None and jax.tree_util.tree_leaves(st):  # state: unscaled
+                compress = lambda g, st, ax, f=compress: (
+                    lambda out: (out[0] * loss_scale, out[1]))(f(g / loss_scale, st, ax))
             if start_step > 0:
                 compress = lambda g, st, ax, f=compress: lax.cond(
                     step < start_step, lambda g, st: (lax.psum(g, ax), st),
@@ -218,7 +342,8 @@ def compressed(tx: optax.GradientTransformation, plan: MemoryPlan, compressors,
 
 
 def shard_optimizer_state(plan: MemoryPlan, world_size: int,
-                          make_tx: Callable[[Any], optax.GradientTransformation]) -> GradientExchange:
+                          make_tx: Callable[[Any], optax.GradientTransformation],
+                          clip_norm: float = 0.0) -> GradientExchange:
     """ZeRO stage 1 (Rajbhandari et al., SC 2020): 1/N of the optimizer state per device.
 
     Each bucket is reduce-scattered instead of all-reduced (padded to a
@@ -233,10 +358,28 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
         gives the weight-decay flags of a shard (per element: kernels and
         vectors share a bucket), so decay follows the same rule
         (:func:`trjax.optim.add_decayed_weights`) as the replicated optimizer.
-        The optimizer must be elementwise (momentum SGD).
+        The optimizer must be elementwise: each element's update may depend
+        only on that element's gradient, parameter and state (momentum SGD,
+        AdamW; not a global norm, LARS's per-layer trust ratio, or anything
+        that reads a leaf's shape: here a "leaf" is a device's flat 1/N
+        slice of a bucket, metric sums and padding included, and a
+        non-elementwise transformation would silently compute per-shard
+        values that differ between replicas).
+      clip_norm: > 0: the mean gradient is clipped to this global norm
+        before ``make_tx``'s optimizer, with ``optax.clip_by_global_norm``'s
+        formula; the norm is of every gradient element of every shard (one
+        more all-reduce: each device's sum of squares over its shards,
+        metric sums and padding left out, ``lax.psum``), so it and the
+        clipped gradient agree with the replicated exchanges' up to the
+        order of the sum. 0: off.
     """
+    if clip_norm < 0:
+        raise ValueError(f"clip_norm={clip_norm!r} must be >= 0 (0: off)")
     layout = shard_layout(plan, world_size)
     shard = {b: n // world_size for b, (n, _) in layout.items()}
+    is_grad = {b: np.zeros(n, np.float32) for b, (n, _) in layout.items()}
+    for slot in plan.slots:  # gradient elements: no metric sums, no padding
+        is_grad[slot.bucket][slot.offset:slot.offset + slot.size] = 1.0
 
     def decay_mask(rank):  # the weight-decay flags of rank's shard, per element
         return lambda shards: {b: lax.dynamic_slice_in_dim(jnp.asarray(layout[b][1]),
@@ -274,6 +417,12 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
         mine = {b: lax.dynamic_slice_in_dim(jnp.pad(pflat[b], (0, layout[b][0] - pflat[b].shape[0])),
                                             rank * shard[b], shard[b]) for b in shards}
         grads = {b: g * inv_count for b, g in shards.items()}
+        if clip_norm > 0:
+            mask = {b: lax.dynamic_slice_in_dim(jnp.asarray(is_grad[b]), rank * shard[b],
+                                                shard[b]) for b in grads}
+            norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g * mask[b]))
+                                         for b, g in grads.items()), axis_name))
+            grads = _clip_like_optax(grads, norm, clip_norm)
         updates, opt_state = tx.update(grads, opt_state, mine)
         new_flat = {b: lax.all_gather(mine[b] + updates[b], axis_name,
                                       tiled=True)[:pflat[b].shape[0]] for b in shards}
@@ -285,25 +434,106 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
                             update, False, _per_replica)
 
 
-def from_config(config, plan: MemoryPlan, schedule, world: World) -> GradientExchange:
+USER_TX = "tx"
+"""What a checkpoint of a run with ``from_config(..., tx=...)`` records as its
+``optimizer`` (:attr:`GradientExchange.checkpoint_keys`)."""
+
+
+def _user_tx(tx, plan: MemoryPlan, schedule) -> optax.GradientTransformation:
+    built = tx(plan, schedule) if callable(tx) else tx
+    if not isinstance(built, optax.GradientTransformation):
+        raise TypeError(f"tx must be an optax.GradientTransformation or a callable "
+                        f"(plan, schedule) -> GradientTransformation, got {type(built).__name__}")
+    return built
+
+
+def from_config(config, plan: MemoryPlan, schedule, world: World,
+                tx=None) -> GradientExchange:
     """The exchange ``config`` asks for (``shard_optimizer_state``,
-    ``compression``, ``allreduce``, the optimizer keys), with the learning-rate
-    ``schedule``. The config is assumed valid (:func:`trjax.train.config.validate`)."""
+    ``compression``, ``allreduce``, the optimizer keys, ``grad_clip_norm``,
+    ``ema_decay``), with the learning-rate ``schedule``. The config is assumed
+    valid (:func:`trjax.train.config.validate`).
+
+    Args:
+      config: see ``trjax/configs/default.py``.
+      plan: the buckets; its regions give the decay and LARS masks.
+      schedule: the learning rate, ``step -> float`` (or a float).
+      world: devices and mesh.
+      tx: ``None``: the config's optimizer (:func:`trjax.optim.make_optimizer`
+        with ``optimizer``, ``momentum``, ``nesterov``, ``weight_decay``,
+        ``trust_coefficient``, ``adam_b1``/``adam_b2``/``adam_eps``). Else an
+        optax ``GradientTransformation`` on the params tree, or a callable
+        ``(plan, schedule) -> GradientTransformation`` (to build masks from
+        the plan, e.g. :func:`trjax.optim.kernel_mask`, or use the run's
+        warmup-cosine ``schedule``), used instead; those config keys are then
+        not read. How it composes:
+
+        * it is applied after the gradient exchange, on every replica, to
+          the same global mean gradient (the all-reduced sum over the
+          global count of real rows, loss scale divided out; under
+          compression, the decompressed mean); the params are
+          ``optax.apply_updates(params, updates)``; a non-finite gradient
+          skips the update (its state too), as for the built-in optimizers;
+        * ``grad_clip_norm > 0`` clips before it (:func:`clip_before`),
+          ``ema_decay > 0`` averages the params after it (:func:`with_ema`);
+        * no trjax masking: it gets every leaf (conv and dense kernels, BN
+          scales and biases, the dense bias) and trjax adds no weight-decay
+          mask and no LARS exclusion of its own. For trjax's rule (kernels
+          only), pass e.g. ``lambda plan, lr: optax.chain(
+          optim.add_decayed_weights(wd, optim.kernel_mask(plan)),
+          optax.sgd(lr, 0.9))``;
+        * ZeRO-1 (``shard_optimizer_state=True``) is refused: there the
+          optimizer runs on each device's flat 1/N shard of the buckets and
+          must be elementwise (:func:`shard_optimizer_state`), which trjax
+          cannot check of an arbitrary transformation (a global-norm clip
+          inside it would clip each shard by its own norm, different on
+          every replica). Build such an exchange with
+          :func:`shard_optimizer_state` directly when the transformation is
+          elementwise;
+        * the checkpoint records ``optimizer="tx"`` (:data:`USER_TX`), so a
+          resume with the config's optimizer (or a tx run resumed without
+          one) is refused; trjax cannot compare code: pass the same ``tx``
+          on resume (a different state structure is refused as not fitting);
+        * the step log's ``lr`` column is the config's ``schedule``, which
+          ``tx`` need not use.
+
+    Raises:
+      ValueError: ``tx`` with ``config.shard_optimizer_state``.
+      TypeError: ``tx`` (or what it returns) is not a ``GradientTransformation``.
+    """
     c = config
-    opt = dict(momentum=c.momentum, weight_decay=c.weight_decay, nesterov=c.nesterov)
+    if tx is not None and c.shard_optimizer_state:
+        raise ValueError("from_config(tx=...) with config.shard_optimizer_state=True (ZeRO-1): "
+                         "the optimizer would run on each device's flat 1/N shard, which is "
+                         "right only for an elementwise transformation, and trjax cannot tell "
+                         "whether yours is; set shard_optimizer_state=False, or build the "
+                         "exchange with trjax.exchange.shard_optimizer_state(plan, world_size, "
+                         "make_tx) for an elementwise one")
+    opt = dict(momentum=c.momentum, weight_decay=c.weight_decay, nesterov=c.nesterov,
+               b1=c.adam_b1, b2=c.adam_b2, eps=c.adam_eps)
     if c.shard_optimizer_state:
-        return shard_optimizer_state(plan, world.world_size, lambda mask: optim.make_optimizer(
-            "sgd", schedule, mask=mask, **opt))
-    tx = optim.make_optimizer(c.optimizer, schedule, plan, trust_coefficient=c.trust_coefficient,
-                              **opt)
+        ex = shard_optimizer_state(plan, world.world_size, lambda mask: optim.make_optimizer(
+            c.optimizer, schedule, mask=mask, **opt), clip_norm=c.grad_clip_norm)
+        return with_ema(ex, c.ema_decay) if c.ema_decay else ex
+    if tx is None:
+        base = optim.make_optimizer(c.optimizer, schedule, plan,
+                                    trust_coefficient=c.trust_coefficient, **opt)
+    else:
+        base = _user_tx(tx, plan, schedule)
+    base = clip_before(base, c.grad_clip_norm)
     if c.compression != "none":
         def make(bucket):
             if c.compression == "powersgd":  # one matrix per layer, vectors exact
                 return compression.powersgd(c.powersgd_rank, layer_matrices(plan, bucket))
             options = {"topk": {"ratio": c.topk_ratio}}.get(c.compression, {})
             return compression.make_compressor(c.compression, **options)
-        return compressed(tx, plan, exact_below(plan, make, c.compression_min_fraction),
-                          start_step=c.compression_start_step)
-    processes = len({d.process_index for d in world.devices})
-    local = c.allreduce_local_size or world.world_size // processes
-    return allreduce(tx, plan, c.allreduce, local_size=local)
+        ex = compressed(base, plan, exact_below(plan, make, c.compression_min_fraction),
+                        start_step=c.compression_start_step)
+    else:
+        processes = len({d.process_index for d in world.devices})
+        local = c.allreduce_local_size or world.world_size // processes
+        ex = allreduce(base, plan, c.allreduce, local_size=local)
+    if tx is not None:
+        ex = ex._replace(checkpoint_keys=lambda w, keys=ex.checkpoint_keys: {
+            **keys(w), "optimizer": USER_TX})
+    return with_ema(ex, c.ema_decay) if c.ema_decay else ex

@@ -7,20 +7,32 @@ Every convolution is followed by :class:`trjax.batchnorm.BatchNorm`; the network
 ends in global average pooling and one dense layer. Variants are built from one
 class with ``functools.partial``, as in the Flax ImageNet example.
 
-Input: ``x_BxHxWxC``, uint8 or float, standardised by the model itself when
-``input_mean`` / ``input_std`` are set (:func:`normalize`,
-inside the compiled step); output: logits ``[B, num_classes]`` float32.
+Input: ``x_BxHxWxC`` float (the compiled steps standardise the uint8 batch with
+:func:`normalize` before any model); output: logits ``[B, num_classes]`` float32.
+
+Any other flax CNN trains the same way: :func:`wrap` turns a linen module or an
+``nnx.Module`` into a :class:`Network`, trjax's view of a model (initialisation,
+the training apply with trjax's BatchNorm statistics and the dropout key, the
+evaluation apply). The model contract is flax's ordinary one: ``__call__(x,
+train)`` (``train`` optional; nnx modules are also switched with
+``.train()`` / ``.eval()``) returning logits ``[B, num_classes]`` of a float
+dtype.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Any, Optional, Sequence
+import inspect
+import math
+from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
-from trjax.batchnorm import BatchNorm
+from trjax.batchnorm import (BatchNorm, BatchNormContext, fold_batchnorm_tree, linen_interceptor,
+                             nnx_context, swap_nnx_batchnorms)
 from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
 
 
@@ -103,9 +115,9 @@ class ResNet(nn.Module):
       conv_lowering: ``"xla"``, ``"im2col"`` (strided convolutions and windows
         larger than their input as im2col + matmul, :mod:`trjax.cpu.im2col`) or
         ``"auto"`` (im2col on CPU, :func:`trjax.cpu.im2col.resolve_conv_lowering`).
-      input_mean, input_std: per-channel statistics of the input in its own
-        units (the data set's ``mean`` / ``std``): the input becomes
-        ``(x - mean) / std`` in float32, then ``dtype``. ``None``: only the cast.
+
+    The input is used as it comes (the steps standardise it, :func:`normalize`);
+    the convolutions cast it to ``dtype``.
     """
 
     stage_sizes: Sequence[int]
@@ -118,8 +130,6 @@ class ResNet(nn.Module):
     axis_name: Optional[str] = None
     bn_momentum: float = 0.9
     dtype: Any = jnp.float32
-    input_mean: Optional[Sequence[float]] = None
-    input_std: Optional[Sequence[float]] = None
     conv_lowering: str = "auto"
 
     @nn.compact
@@ -129,7 +139,6 @@ class ResNet(nn.Module):
         im2col = resolve_conv_lowering(self.conv_lowering) == "im2col"
         conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
                                  conv_general_dilated_cls=Im2colConv if im2col else None)
-        x = normalize(x, self.input_mean, self.input_std, self.dtype)
         if self.stem == "imagenet":
             x = conv(self.stem_width, (7, 7), (2, 2), padding=3, name="stem_conv")(x)
         else:
@@ -171,3 +180,327 @@ def create_model(name: str, **kwargs) -> ResNet:
     if name not in MODELS:
         raise ValueError(f"model {name!r} is unknown; choose one of {sorted(MODELS)}")
     return MODELS[name](**kwargs)
+
+
+# -- any flax model: trjax's view of it ------------------------------------------------------
+
+
+def _call_flag(fn) -> str | None:
+    """The name under which ``fn`` takes the training flag (``train`` or
+    ``training``), or ``None`` when it takes neither (nor ``**kwargs``)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "train"
+    for name in ("train", "training"):
+        if name in params:
+            return name
+    return "train" if any(p.kind == p.VAR_KEYWORD for p in params.values()) else None
+
+
+def _nest(flat: dict, leaf: str) -> dict:
+    """``{(a, b): v}`` -> ``{a: {b: {leaf: v}}}``."""
+    out: dict = {}
+    for path, v in flat.items():
+        d = out
+        for k in path:
+            d = d.setdefault(k, {})
+        d[leaf] = v
+    return out
+
+
+def _fill_keys(pure, key):
+    """A pure rng-state dict with every PRNG key leaf ``fold_in(key, i)`` (its
+    leaf index ``i``) and every counter 0."""
+    leaves, treedef = jax.tree_util.tree_flatten(pure)
+    out = []
+    for i, leaf in enumerate(leaves):
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            k = jax.random.fold_in(key, i)
+            n = math.prod(leaf.shape)
+            out.append(k if leaf.shape == () else jax.random.split(k, n).reshape(leaf.shape))
+        else:
+            out.append(jnp.zeros(leaf.shape, leaf.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _NNXParts:
+    """An nnx model split for pure steps: its graph and state templates.
+
+    ``templates``: ``(params, batch_stats, rng state)`` ``nnx.State`` (values
+    abstract or concrete, only their structure is used); ``make``: ``key ->
+    module`` for a class (a ``ToLinen``'s), or ``None`` with ``values``: the
+    instance's own ``(params, batch_stats)`` pure dicts.
+    """
+    graphdef: Any
+    templates: tuple
+    make: Optional[Callable] = None
+    values: Optional[tuple] = None
+
+    def init(self, key) -> dict:
+        if self.make is None:
+            params, stats = self.values
+        else:
+            params, stats, _ = _split_nnx(self.make(key))[1]
+        return {"params": params, "batch_stats": stats}
+
+    def merge(self, params, batch_stats, rng):
+        """A fresh module (new Variables, made in the current trace) holding these values."""
+        from flax import nnx
+
+        def fresh(template, pure):
+            state = nnx.State(jax.tree_util.tree_map(lambda v: v, template))
+            nnx.replace_by_pure_dict(state, pure)
+            return state
+        rng_pure = _fill_keys(nnx.to_pure_dict(self.templates[2]),
+                              jax.random.key(0) if rng is None else rng)
+        return nnx.merge(self.graphdef, fresh(self.templates[0], params),
+                         fresh(self.templates[1], batch_stats), fresh(self.templates[2], rng_pure))
+
+
+def _split_nnx(module):
+    """``(graphdef, (params, batch_stats, rng) pure dicts), states``; raises
+    ``ValueError`` on state of any other kind (trjax would not train it)."""
+    from flax import nnx
+    graphdef, params, stats, rng, rest = nnx.split(module, nnx.Param, nnx.BatchStat,
+                                                    nnx.RngState, ...)
+    other = [(p, type(v).__name__) for p, v in nnx.to_flat_state(rest)]
+    if other:
+        raise ValueError(f"the nnx model holds state trjax does not train: "
+                         f"{['/'.join(map(str, p)) + ' (' + t + ')' for p, t in other[:5]]}; "
+                         "trjax trains nnx.Param and keeps nnx.BatchStat statistics (nnx.Rngs "
+                         "streams are re-seeded every step): hold other values as constants")
+    pure = (nnx.to_pure_dict(params), nnx.to_pure_dict(stats), nnx.to_pure_dict(rng))
+    return graphdef, pure, (params, stats, rng)
+
+
+def _nnx_parts(model) -> tuple[_NNXParts, Callable]:
+    """``(_NNXParts, the module's __call__)`` of an nnx instance or a ``ToLinen``."""
+    from flax import nnx
+    if isinstance(model, nnx.Module):
+        graphdef, (params, stats, _), states = _split_nnx(model)
+        return _NNXParts(graphdef, states, values=(params, stats)), type(model).__call__
+    cls, args, kwargs = model.nnx_class, tuple(model.args), dict(model.kwargs)
+    make = (lambda key: cls(*args, **kwargs)) if model.skip_rng else \
+        (lambda key: cls(*args, **kwargs, rngs=nnx.Rngs(key)))
+    abstract = nnx.eval_shape(lambda: make(jax.random.key(0)))
+    graphdef, _, states = _split_nnx(abstract)
+    return _NNXParts(graphdef, states, make=make), cls.__call__
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Network:
+    """trjax's view of a flax model: what the compiled steps call.
+
+    Build it with :func:`wrap` (the trainer) or :func:`as_network` (a bare
+    module, e.g. in tests). Pure methods, traceable inside ``shard_map``.
+
+    Attributes:
+      module: the user's model: a linen module, an ``nnx.Module`` instance or a
+        ``flax.nnx.bridge.ToLinen`` (an nnx class, built per key).
+      kind: ``"linen"`` or ``"nnx"`` (an nnx instance or a ``ToLinen``).
+      mean, std: the data set's per-channel statistics (or ``None``), for
+        :func:`normalize` in the steps.
+      dtype: the compute dtype the steps standardise the input to.
+      seed: the dropout stream's seed (``config.seed``).
+      folds: evaluation folds BatchNorm ahead of time (``bn_folded``; trjax's
+        built-in ResNets); otherwise the model evaluates with its own
+        ``batch_stats``.
+      train_flag: the name of the ``__call__`` argument that takes the
+        training flag (``train`` / ``training``), or ``None``.
+    """
+    module: Any
+    kind: str = "linen"
+    mean: Optional[tuple] = None
+    std: Optional[tuple] = None
+    dtype: Any = jnp.float32
+    seed: int = 0
+    folds: bool = False
+    train_flag: Optional[str] = "train"
+    nnx: Optional[_NNXParts] = None
+
+    def _flag(self, train: bool) -> dict:
+        return {} if self.train_flag is None else {self.train_flag: train}
+
+    def init(self, key, image_shape: tuple) -> dict:
+        """``{"params", "batch_stats"}`` (``batch_stats`` ``{}`` without BatchNorm)
+        from one key, on a zero batch of one ``image_shape`` image in evaluation
+        mode. An nnx instance gives its own values (``key`` unused).
+
+        Raises:
+          ValueError: a linen model whose ``init`` makes collections other than
+            ``params`` and ``batch_stats``.
+        """
+        if self.kind == "nnx":
+            return self.nnx.init(key)
+        x = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
+        variables = self.module.init(key, x, **self._flag(False))
+        other = sorted(set(variables) - {"params", "batch_stats"})
+        if other:
+            raise ValueError(f"the model's init makes the collection(s) {other}: trjax trains "
+                             "'params' and keeps BatchNorm's 'batch_stats'; make other values "
+                             "constants (or sow them only when that collection is mutable)")
+        return {"params": variables.get("params", {}),
+                "batch_stats": variables.get("batch_stats", {})}
+
+    def apply_train(self, params, batch_stats, x, ctx: BatchNormContext, rng=None):
+        """The training forward pass: ``(logits, bn_sums)``.
+
+        Args:
+          params, batch_stats: the model's (``batch_stats``: this device's).
+          x: ``[B, H, W, C]`` standardised input (:func:`normalize`).
+          ctx: the BatchNorm mode, data axis and ``[B]`` padding mask; records
+            every BatchNorm's running rule (``ctx.rules``).
+          rng: the dropout key (``rngs={"dropout": rng}`` for linen; every nnx
+            ``Rngs`` stream re-seeded from it), or ``None``.
+
+        Returns:
+          ``logits [B, K]`` and ``bn_sums`` (``{..module path..: {"sums": [2C+1]}}``,
+          ``{}`` without BatchNorm), see :mod:`trjax.batchnorm`.
+        """
+        if self.kind == "nnx":
+            model = self.nnx.merge(params, batch_stats, rng)
+            swap_nnx_batchnorms(model, ctx)
+            model.train()
+            with nnx_context(ctx):
+                logits = model(x, **self._flag(True))
+            return logits, _nest(ctx.sums, "sums")
+        with nn.intercept_methods(linen_interceptor(ctx)):
+            logits, new = self.module.apply(
+                {"params": params, "batch_stats": batch_stats}, x, **self._flag(True),
+                rngs=None if rng is None else {"dropout": rng},
+                mutable=["batch_stats", "bn_sums"])
+        return logits, new.get("bn_sums", {})
+
+    def apply_eval(self, params, bn, x, folded: bool = False):
+        """Evaluation logits ``[B, K]`` (training flag off, no randomness).
+
+        ``bn``: the folded BatchNorm tree (:meth:`fold`) when ``folded`` and
+        :attr:`folds`, else the running ``batch_stats``."""
+        if self.kind == "nnx":
+            model = self.nnx.merge(params, bn, None)
+            model.eval()
+            return model(x, **self._flag(False))
+        collection = "bn_folded" if folded and self.folds else "batch_stats"
+        return self.module.apply({"params": params, collection: bn}, x, **self._flag(False))
+
+    def fold(self, params, batch_stats):
+        """What the evaluation step reads: the folded BatchNorm tree
+        (:func:`trjax.batchnorm.fold_batchnorm_tree`) when :attr:`folds`, else
+        ``batch_stats`` itself."""
+        return fold_batchnorm_tree(params, batch_stats) if self.folds else batch_stats
+
+
+def as_network(model) -> Network:
+    """A :class:`Network` for ``model`` with default input handling (no
+    standardisation; the cast to the module's ``dtype``, float32 if it has none).
+
+    Args:
+      model: a :class:`Network` (returned as is), a flax linen module, an
+        ``nnx.Module`` instance or a ``flax.nnx.bridge.ToLinen``.
+
+    Raises:
+      TypeError: anything else, naming its type and what trjax accepts.
+    """
+    if isinstance(model, Network):
+        return model
+    import sys
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is not None and isinstance(model, (nnx.Module, nnx.bridge.ToLinen)):
+        parts, call = _nnx_parts(model)
+        return Network(model, "nnx", dtype=jnp.float32, train_flag=_call_flag(call), nnx=parts)
+    if isinstance(model, nn.Module):
+        return Network(model, "linen", dtype=getattr(model, "dtype", None) or jnp.float32,
+                       folds=isinstance(model, ResNet), train_flag=_call_flag(model.__call__))
+    if isinstance(model, type) and (issubclass(model, nn.Module) or (
+            nnx is not None and issubclass(model, nnx.Module))):
+        raise TypeError(f"model={model.__name__} is a class: pass an instance (linen: "
+                        f"{model.__name__}(...); nnx: {model.__name__}(..., rngs=nnx.Rngs(0)))")
+    raise TypeError(f"model={model!r} (type {type(model).__name__}) is neither a flax linen "
+                    "Module nor an nnx Module: pass e.g. a flax.linen.Module instance or an "
+                    "nnx.Module built with rngs=nnx.Rngs(0)")
+
+
+def check_batch_stats(batch_stats, rules) -> None:
+    """Every ``batch_stats`` leaf belongs to a BatchNorm trjax keeps (one with a
+    running rule recorded while the model was traced in training:
+    :class:`trjax.batchnorm.BatchNormContext`).
+
+    Raises:
+      ValueError: naming the first leaf no such layer keeps (another layer's
+        statistics would never be reduced over devices nor updated).
+    """
+    for path, _ in jax.tree_util.tree_flatten_with_path(batch_stats)[0]:
+        keys = tuple(getattr(k, "key", getattr(k, "name", k)) for k in path)
+        if keys[:-1] not in rules:
+            raise ValueError(
+                f"batch_stats/{'/'.join(map(str, keys))} is not kept by a BatchNorm trjax "
+                "adapts (flax.linen.BatchNorm, flax.nnx.BatchNorm, trjax.batchnorm.BatchNorm) "
+                "called in training: trjax would never update it (statistics must be summed "
+                "over devices with padding masked out); use one of those layers")
+
+
+def check_output(net: Network, image_shape: tuple, num_classes: int, dtype=jnp.float32) -> None:
+    """Checks, from abstract shapes (nothing is computed), that ``net`` gives
+    logits ``[B, num_classes]`` of a float dtype in evaluation and in training,
+    and that trjax keeps every BatchNorm statistic (:func:`check_batch_stats`).
+
+    Raises:
+      ValueError: the output is not one array, has another shape or a
+        non-float dtype, or a statistic no adapted BatchNorm keeps (naming the
+        value and the fix).
+    """
+    x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), dtype)
+    variables = jax.eval_shape(lambda k: net.init(k, image_shape), jax.random.key(0))
+    ctx = BatchNormContext("local")
+    outs = {
+        "evaluation": jax.eval_shape(
+            lambda v, x: net.apply_eval(v["params"], v["batch_stats"], x), variables, x),
+        "training": jax.eval_shape(
+            lambda v, x, k: net.apply_train(v["params"], v["batch_stats"], x, ctx, k)[0],
+            variables, x, jax.random.key(0))}
+    check_batch_stats(variables["batch_stats"], ctx.rules)
+    for mode, out in outs.items():
+        where = f"the model (in {mode}, on a batch of 2 images {tuple(image_shape)})"
+        if not isinstance(out, jax.ShapeDtypeStruct):
+            raise ValueError(f"{where} returned {jax.tree_util.tree_map(lambda a: a.shape, out)}"
+                             f" (a {type(out).__name__}); trjax needs the logits alone, one "
+                             f"array [B, {num_classes}]: return only the logits")
+        if tuple(out.shape) != (2, num_classes):
+            raise ValueError(f"{where} returned shape {tuple(out.shape)}; trjax needs logits "
+                             f"[B, num_classes] = [2, {num_classes}] (num_classes from the data "
+                             f"set): give the last layer {num_classes} outputs, e.g. "
+                             f"nn.Dense({num_classes}), and flatten or pool the spatial axes")
+        if not jnp.issubdtype(out.dtype, jnp.floating):
+            raise ValueError(f"{where} returned {out.dtype} logits; trjax needs a float dtype "
+                             "(the loss is differentiated): return e.g. logits.astype(jnp.float32)")
+
+
+def wrap(model, *, image_shape: tuple, num_classes: int, mean=None, std=None,
+         dtype=jnp.float32, seed: int = 0, check: bool = True) -> Network:
+    """The :class:`Network` the trainer trains: ``model`` with the data set's
+    input statistics, the compute dtype and the dropout seed.
+
+    Args:
+      model: a flax linen module, an ``nnx.Module`` instance, a
+        ``flax.nnx.bridge.ToLinen`` or a :class:`Network`.
+      image_shape: ``(H, W, C)`` of one example.
+      num_classes: the logits' size.
+      mean, std: the data set's per-channel statistics (``None``: no
+        standardisation), applied by the steps with :func:`normalize`.
+      dtype: the compute dtype of the standardised input.
+      seed: the seed of the dropout stream (``config.seed``).
+      check: run :func:`check_output` (abstract shapes only).
+
+    Raises:
+      TypeError: a model that is neither linen nor nnx (:func:`as_network`).
+      ValueError: a model with the wrong output (:func:`check_output`) or
+        state trjax does not train.
+    """
+    net = as_network(model)
+    net = dataclasses.replace(net, mean=None if mean is None else tuple(mean),
+                              std=None if std is None else tuple(std), dtype=dtype, seed=int(seed))
+    if check:
+        check_output(net, image_shape, num_classes, dtype)
+    return net

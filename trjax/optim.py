@@ -10,6 +10,13 @@
   the same place (their eta) and use ``||g|| + wd * ||w||`` in the denominator;
   optax uses ``||g + wd*w||``. BN scales/biases and all biases skip both the
   decay and the trust ratio (plain momentum SGD), as in You et al.
+* ``adamw``: optax's ``adamw`` (Loshchilov & Hutter, "Decoupled Weight Decay
+  Regularization", ICLR 2019): Adam's moments (Kingma & Ba 2015; ``b1``, ``b2``,
+  ``eps``), then the decoupled decay ``u <- u + wd * w`` on conv and dense
+  kernels only (the same mask as ``sgd``), then ``-lr(t) * u``. Unlike an L2
+  term added to the gradient (as ``sgd`` does), the decay is not divided by
+  Adam's second-moment estimate; it is scaled by the learning rate (as in optax
+  and PyTorch's ``AdamW``).
 
 The schedule is linear warmup from 0 to ``learning_rate`` then cosine decay to
 0 (Goyal et al. 2017; Loshchilov & Hutter 2017), in optimizer steps.
@@ -22,7 +29,7 @@ import optax
 
 from trjax.regions import KERNEL_REGIONS
 
-OPTIMIZERS = ("sgd", "lars")
+OPTIMIZERS = ("sgd", "lars", "adamw")
 
 
 def learning_rate_schedule(learning_rate: float, warmup_steps: int, total_steps: int):
@@ -72,16 +79,24 @@ def add_decayed_weights(weight_decay: float, mask) -> optax.GradientTransformati
 
 def make_optimizer(name: str, schedule, plan=None, *, mask=None, momentum: float = 0.9,
                    weight_decay: float = 5e-4, nesterov: bool = False,
-                   trust_coefficient: float = 0.001) -> optax.GradientTransformation:
+                   trust_coefficient: float = 0.001, b1: float = 0.9, b2: float = 0.999,
+                   eps: float = 1e-8) -> optax.GradientTransformation:
     """Builds the optimizer ``name`` (one of ``OPTIMIZERS``).
 
     Args:
-      name: ``sgd`` or ``lars``.
+      name: ``sgd``, ``lars`` or ``adamw``.
       schedule: learning rate, a float or ``step -> float``.
       plan: the :class:`trjax.plan.MemoryPlan` (its regions say which leaves
         are kernels: weight decay and the LARS trust ratio apply to them only).
       mask: instead of ``plan``: the decay mask of :func:`add_decayed_weights`
-        (``sgd`` only when it is a per-element callable).
+        (``sgd`` and ``adamw`` only when it is a per-element callable: both
+        are elementwise, so they also run on flat ZeRO-1 shards).
+      momentum, nesterov: ``sgd`` and ``lars``.
+      weight_decay: ``sgd``/``lars``: the L2 coefficient added to the
+        gradient; ``adamw``: the decoupled decay (times the learning rate).
+      trust_coefficient: ``lars``.
+      b1, b2, eps: ``adamw``: Adam's moment decays and denominator epsilon
+        (optax's ``scale_by_adam``).
 
     Raises:
       ValueError: unknown optimizer name, or LARS with a per-element mask.
@@ -93,8 +108,12 @@ def make_optimizer(name: str, schedule, plan=None, *, mask=None, momentum: float
     if name == "lars":
         if callable(mask):
             raise ValueError("optimizer 'lars' needs whole kernels (a per-leaf mask); "
-                             "use optimizer='sgd' with shard_optimizer_state=True")
+                             "use optimizer='sgd' or 'adamw' with shard_optimizer_state=True")
         return optax.lars(schedule, weight_decay=weight_decay, weight_decay_mask=mask,
                           trust_coefficient=trust_coefficient, trust_ratio_mask=mask,
                           momentum=momentum, nesterov=nesterov)
+    if name == "adamw":  # optax.adamw's own chain, with trjax's (per-leaf or per-element) mask
+        return optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
+                           add_decayed_weights(weight_decay, mask),
+                           optax.scale_by_learning_rate(schedule))
     raise ValueError(f"optimizer {name!r} is unknown; choose one of {OPTIMIZERS}")

@@ -6,11 +6,17 @@ range from region X to region Y". Here the plan maps each parameter leaf to a
 ``(bucket, offset, size)`` slot in a flat float32 buffer per bucket. The
 bucket policy (``BUCKET_POLICIES``) decides the grouping:
 
-* ``two`` (default, the seed's): bucket ``deep`` (DEEP_COMM) = every deep-conv
-  gradient, then the step's metric sums (loss sum, top-1, top-5, real-example
-  count: the seed's R_RESULT, riding in the same all-reduce); bucket ``first``
-  (FIRST_COMM) = BN biases, BN scales, FC bias, FC weight, first conv -- the
-  gradients ready last in backward.
+* ``two`` (default, the seed's): bucket ``deep`` (DEEP_COMM) = every deep
+  kernel's gradient, then the step's metric sums (loss sum, top-1, top-5,
+  real-example count: the seed's R_RESULT, riding in the same all-reduce),
+  all-reduced first; bucket ``first`` (FIRST_COMM) = every vector parameter
+  (BN / norm biases and scales, layer biases), the classifier, the first
+  layer's kernel -- the gradients ready last in backward. Which parameter is
+  which follows one rule for any model, from the forward pass's order and the
+  parameters' shapes, never from layer types (:mod:`trjax.regions`): in words,
+  *the first layer(s) applied to the input, every parameter of at most one
+  dimension and the last layer (the classifier) go in the first bucket; every
+  other kernel goes in the deep bucket, whose gradients are ready first.*
 * ``tail_minimal``: bucket ``head`` = FC + deep convs + the BN layers after the
   stem + metrics, issued first; bucket ``stem`` = only the stem conv and its BN.
   In ResNet-50 the FC gradient (8 MB) is produced first in backward: the seed's
@@ -46,6 +52,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from trjax import models
 from trjax.metrics import METRICS
 from trjax.regions import KERNEL_REGIONS, Region, assign_regions, path_str
 
@@ -209,7 +216,10 @@ class MemoryPlan:
 def _stem_bn(regions: Mapping[str, Region]) -> str | None:
     """Module path of the BatchNorm called right after the first conv."""
     order = list(dict.fromkeys(n.rsplit("/", 1)[0] for n in regions if n.startswith("params/")))
-    first = next(n.rsplit("/", 1)[0] for n, r in regions.items() if r == Region.FIRST_CONV)
+    first = next((n.rsplit("/", 1)[0] for n, r in regions.items() if r == Region.FIRST_CONV),
+                 None)
+    if first is None:
+        return None
     for mod in order[order.index(first) + 1:]:
         if any(regions.get(f"{mod}/{leaf}") == Region.BN_SCALE for leaf in ("scale",)):
             return mod
@@ -340,11 +350,16 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
 
 def build_plan(model, image_shape: tuple, policy: str = "two",
                kernel_order: str = "HWIO") -> MemoryPlan:
-    """The MemoryPlan of ``model`` (a flax module) under a bucket ``policy``
-    and conv-kernel order, from abstract shapes only (no compute)."""
+    """The MemoryPlan of ``model`` under a bucket ``policy`` and conv-kernel
+    order, from abstract shapes only (no compute).
+
+    ``model``: a :class:`trjax.models.Network` or a flax linen / nnx module
+    (:func:`trjax.models.as_network`); its parameters are assigned regions by
+    :func:`trjax.regions.assign_regions` (call order, not layer types)."""
+    net = models.as_network(model)
     x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), jnp.float32)
-    variables = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros(x.shape), train=False))
-    regions = assign_regions(model, variables, x)
+    variables = jax.eval_shape(lambda k: net.init(k, image_shape), jax.random.key(0))
+    regions = assign_regions(net, variables, x)
     return make_plan(variables["params"], variables["batch_stats"], regions, policy=policy,
                      kernel_order=kernel_order)
 

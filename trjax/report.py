@@ -63,8 +63,11 @@ def comm_report(tr) -> dict:
             grads = [c for c in cols if any(l.startswith("bucket:") for l in c["carries"])]
             out["gradient_all_reduces"] = len(grads)
             out["async_collectives"] = sum(c["async"] for c in cols)
-            first = plan.slots[[s.region for s in plan.slots].index(Region.FIRST_CONV)]
-            wgrad = comm.conv_positions(text, first.shape)
+            regions = [s.region for s in plan.slots]  # a model whose one kernel layer is
+            first = plan.slots[regions.index(Region.FIRST_CONV)] \
+                if Region.FIRST_CONV in regions else None  # also its classifier has none
+            wgrad = comm.conv_positions(text, first.shape) if first is not None and \
+                len(first.shape) == 4 else []
             first_bucket = labels[next(iter(plan.bucket_elements.values()))]
             deep = [c["position"] for c in grads if first_bucket in c["carries"]]
             out["first_conv_wgrad_positions"] = wgrad

@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from trjax import collectives
+from trjax import collectives, models
 from trjax.cpu.compile_options import compile_lowered, init_options
 from trjax.world import World
 
@@ -109,7 +109,10 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
       rng: an ``int`` seed (``config.seed``; the key is made inside the
         program, ``jax.random.key(seed)``) or a PRNG key array (its key data
         is read on the host and placed on every device).
-      model: the network (its ``axis_name`` is the data axis).
+      model: a :class:`trjax.models.Network` or a flax module
+        (:func:`trjax.models.as_network`; a ResNet's ``axis_name`` is the data
+        axis); :meth:`trjax.models.Network.init` makes its variables (an nnx
+        instance gives its own).
       exchange: the :class:`trjax.exchange.GradientExchange`; its ``init``
         builds the optimizer and comm state (it must be traceable).
       world: devices and mesh.
@@ -122,7 +125,7 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
       ``RuntimeError`` when a replica's parameters differ from rank 0's after
       the broadcast.
     """
-    n = world.world_size
+    n, net = world.world_size, models.as_network(model)
     if isinstance(rng, (int, np.integer)) and not isinstance(rng, bool):
         seed, make_key, impl = world.put(np.asarray(rng, np.int32)), jax.random.key, None
     else:  # key data through the host: a global array on every process's devices
@@ -132,8 +135,7 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
 
     def init_local(seed):
         key = jax.random.fold_in(make_key(seed), lax.axis_index(world.axis_name))
-        x = jnp.zeros((1,) + tuple(image_shape), jnp.float32)
-        variables = model.init(key, x, train=False)
+        variables = net.init(key, image_shape)  # {"params", "batch_stats"} ({} without BN)
         variables = collectives.broadcast_from_rank0(variables, world.axis_name)
         return variables["params"], variables["batch_stats"]
 

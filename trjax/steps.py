@@ -17,6 +17,12 @@ Per device, one train step is (the seed's graph order; :func:`make_train_step`):
    gradient is non-finite (every replica sees the same reduced values, so
    they agree without another collective).
 
+The model is any flax model, as a :class:`trjax.models.Network` (a bare linen or
+nnx module is wrapped by :func:`trjax.models.as_network`): the steps standardise
+the uint8 input (:func:`trjax.models.normalize`), then call it; flax's
+BatchNorm layers compute trjax's statistics (:mod:`trjax.batchnorm`) and dropout
+gets the key :func:`dropout_key`.
+
 Autodiff inside ``shard_map`` (``check_vma=True``) sums the gradient of a
 replicated (invariant) parameter over devices by itself; the parameters are
 therefore cast to *varying* before differentiation, so each device gets only
@@ -30,14 +36,13 @@ from __future__ import annotations
 
 from typing import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from trjax import collectives
-from trjax.batchnorm import fold_batchnorm_tree, update_running_tree
+from trjax import collectives, models
+from trjax.batchnorm import BatchNormContext, fold_batchnorm_tree, update_running_tree
 from trjax.exchange import GradientExchange
 from trjax.metrics import StepMetrics, batch_metrics
 from trjax.plan import MemoryPlan
@@ -50,14 +55,31 @@ def batch_spec(axis_name: str) -> dict:
     return {"image": P(axis_name), "label": P(axis_name), "mask": P(axis_name)}
 
 
-def forward_backward(model: nn.Module, params, batch_stats, batch, loss_scale=None,
-                     grad_accumulation_steps: int = 1, padding: bool = True):
+def dropout_key(seed: int, step, rank, micro=None):
+    """The randomness of one micro-batch: ``fold_in(fold_in(fold_in(key(seed),
+    step), rank), micro)`` (``micro`` ``None``: the key before the last fold).
+
+    A pure function of the seed, the step counter and the data-parallel rank:
+    a run resumed at any step draws the same dropout masks as one never
+    stopped. ``seed``: ``config.seed``; ``step``, ``rank``, ``micro``: int32
+    scalars (traced or not). Returns a typed PRNG key.
+    """
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), rank)
+    return key if micro is None else jax.random.fold_in(key, micro)
+
+
+def forward_backward(model, params, batch_stats, batch, loss_scale=None,
+                     grad_accumulation_steps: int = 1, padding: bool = True,
+                     bn_mode: str = "sync", axis_name=None, rng=None):
     """Per device: gradients of the summed loss, metric sums, BN batch sums.
 
     Args:
+      model: a :class:`trjax.models.Network` (or a module for
+        :func:`trjax.models.as_network`).
       params: the parameters (cast to varying: gradients are this device's own).
-      batch_stats: this device's BN statistics (``[C]`` leaves).
-      batch: ``{"image": [B, H, W, C], "label": [B] int32, "mask": [B] float32}``.
+      batch_stats: this device's BN statistics (``[C]`` leaves; ``{}`` without BN).
+      batch: ``{"image": [B, H, W, C], "label": [B] int32, "mask": [B] float32}``;
+        the image is standardised here (:func:`trjax.models.normalize`).
       loss_scale: multiplies the loss before backward (fp16), or ``None``.
       grad_accumulation_steps: k micro-batches of ``B / k`` rows; gradients,
         metric sums and BN batch sums are summed locally (``lax.scan``). The
@@ -70,40 +92,59 @@ def forward_backward(model: nn.Module, params, batch_stats, batch, loss_scale=No
         and ~10% faster per step (the main job's ResNet-20 on 8 simulated
         devices, ``docs/performance.md``); the loss and metrics still use the
         mask, so a row of mask 0 would be wrong only in the BN statistics.
+      bn_mode, axis_name: how flax's BatchNorm layers compute their statistics
+        (:class:`trjax.batchnorm.BatchNormContext`).
+      rng: the step's dropout key on this device (:func:`dropout_key` without
+        ``micro``); micro-batch ``i`` uses ``fold_in(rng, i)``. ``None``: no
+        randomness.
 
     Returns:
-      ``(grads, sums [4] float32, bn_sums)``; gradients of
+      ``(grads, sums [4] float32, bn_sums, rules)``; gradients of
       ``loss_scale * sum of losses`` (not yet divided by any count); ``bn_sums``
       the model's ``bn_sums`` collection (per BN ``{"sums": [2C + 1]}``, see
-      :class:`trjax.batchnorm.BatchNorm`).
+      :class:`trjax.batchnorm.BatchNorm`); ``rules`` ``{module path: (momentum,
+      unbiased)}`` of every BatchNorm (for
+      :func:`trjax.batchnorm.update_running_tree`).
+
+    Raises:
+      ValueError (while tracing): a ``batch_stats`` leaf no adapted BatchNorm keeps.
     """
-    def loss_fn(p, micro):
-        logits, new_vars = model.apply({"params": p, "batch_stats": batch_stats}, micro["image"],
-                                       train=True, mask=micro["mask"] if padding else None,
-                                       mutable=["batch_stats", "bn_sums"])
+    net = models.as_network(model)
+    rules: dict = {}
+
+    def loss_fn(p, micro, index):
+        ctx = BatchNormContext(bn_mode, axis_name, micro["mask"] if padding else None)
+        x = models.normalize(micro["image"], net.mean, net.std, net.dtype)
+        key = None if rng is None else jax.random.fold_in(rng, index)
+        logits, micro_sums = net.apply_train(p, batch_stats, x, ctx, key)
+        rules.update(ctx.rules)
         sums = batch_metrics(logits, micro["label"], micro["mask"])
         loss = sums[0] if loss_scale is None else sums[0] * loss_scale
-        return loss, (sums, new_vars["bn_sums"])
+        return loss, (sums, micro_sums)
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     k = grad_accumulation_steps
     if k == 1:
-        (_, (sums, bn_sums)), grads = grad_fn(params, batch)
-        return grads, sums, bn_sums
+        (_, (sums, bn_sums)), grads = grad_fn(params, batch, 0)
+        models.check_batch_stats(batch_stats, rules)
+        return grads, sums, bn_sums, rules
     micro = jax.tree_util.tree_map(lambda x: x.reshape((k, -1) + x.shape[1:]), batch)
 
-    def body(carry, mb):
-        (_, (m, st)), g = grad_fn(params, mb)
+    def body(carry, xs):
+        mb, index = xs
+        (_, (m, st)), g = grad_fn(params, mb, index)
         return jax.tree_util.tree_map(jnp.add, carry, (g, m, st)), None
 
-    (_, (sums, bn_sums)), grads = grad_fn(params, jax.tree_util.tree_map(lambda x: x[0], micro))
-    (grads, sums, bn_sums), _ = lax.scan(body, (grads, sums, bn_sums),
-                                         jax.tree_util.tree_map(lambda x: x[1:], micro))
-    return grads, sums, bn_sums
+    (_, (sums, bn_sums)), grads = grad_fn(params, jax.tree_util.tree_map(lambda x: x[0], micro), 0)
+    (grads, sums, bn_sums), _ = lax.scan(
+        body, (grads, sums, bn_sums),
+        (jax.tree_util.tree_map(lambda x: x[1:], micro), jnp.arange(1, k, dtype=jnp.int32)))
+    models.check_batch_stats(batch_stats, rules)
+    return grads, sums, bn_sums, rules
 
 
-def sync_batch_stats(batch_stats, bn_sums, bn_mode: str, momentum: float, last, finite,
-                     axis_name: str):
+def sync_batch_stats(batch_stats, bn_sums, bn_mode: str, momentum, last, finite,
+                     axis_name: str, rules=None):
     """The step's new BN running statistics by mode.
 
     ``running``: every layer's shifted sums ``(sum (x-r), sum (x-r)^2, n)``
@@ -112,18 +153,22 @@ def sync_batch_stats(batch_stats, bn_sums, bn_mode: str, momentum: float, last, 
     construction, see :func:`trjax.collectives.allreduce_batch_stats`), the
     result folded into ``finite``; ``sync``: the sums are already global;
     ``local``: this replica's own sums, one row per replica. The update is
-    :func:`trjax.batchnorm.update_running_tree` in every mode.
+    :func:`trjax.batchnorm.update_running_tree` in every mode. A model without
+    BatchNorm (``bn_sums`` empty) has no statistics all-reduce.
 
     Args:
       batch_stats: this device's running statistics (``[C]`` leaves).
       bn_sums: from :func:`forward_backward`.
+      momentum: the momentum of every layer not in ``rules``.
       axis_name: the data axis (``running`` mode reduces over it).
+      rules: ``{module path: (momentum, unbiased)}`` per layer (from
+        :func:`forward_backward`), or ``None``.
 
     Returns:
       ``(batch_stats laid out as the state holds them, finite)``.
     """
-    if bn_mode == "running":
-        leaves, treedef = jax.tree_util.tree_flatten(bn_sums)
+    leaves, treedef = jax.tree_util.tree_flatten(bn_sums)
+    if bn_mode == "running" and leaves:
         sizes = [x.size for x in leaves]
         packed = collectives.allreduce_batch_stats(
             jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves]), axis_name,
@@ -132,7 +177,7 @@ def sync_batch_stats(batch_stats, bn_sums, bn_mode: str, momentum: float, last, 
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
         bn_sums = jax.tree_util.tree_unflatten(
             treedef, [packed[o:o + n].reshape(x.shape) for o, n, x in zip(offsets, sizes, leaves)])
-    new = update_running_tree(batch_stats, bn_sums, momentum)
+    new = update_running_tree(batch_stats, bn_sums, momentum, rules)
     if bn_mode == "local":
         return jax.tree_util.tree_map(lambda x: x[None], new), finite
     return new, finite
@@ -144,15 +189,18 @@ def _local_stats(batch_stats, bn_mode: str):
         else batch_stats
 
 
-def make_train_step(model: nn.Module, exchange: GradientExchange, plan: MemoryPlan,
+def make_train_step(model, exchange: GradientExchange, plan: MemoryPlan,
                     world: World, bn_mode: str, dynamic_loss_scale: bool = False,
                     growth_interval: int = 2000, grad_accumulation_steps: int = 1,
                     padding: bool = True) -> Callable:
     """Returns ``train_step(state, batch) -> (state, StepMetrics)`` over ``world``.
 
     Args:
-      model: the network (BatchNorm ``axis_name`` = the data axis); its
-        ``bn_momentum`` is the running statistics' momentum.
+      model: a :class:`trjax.models.Network` or a flax module
+        (:func:`trjax.models.as_network`; trjax's ResNets with BatchNorm
+        ``axis_name`` = the data axis). Every BatchNorm's running update uses
+        its own momentum; dropout gets :func:`dropout_key` of the network's
+        ``seed``, ``state.step``, the rank and the micro-batch.
       exchange: the strategy (:mod:`trjax.exchange`): collectives, optimizer,
         state layout.
       plan: the MemoryPlan the gradients are packed with.
@@ -175,19 +223,20 @@ def make_train_step(model: nn.Module, exchange: GradientExchange, plan: MemoryPl
     global sums of this step's batch (``finite`` 0.0 when the update was
     skipped on every replica).
     """
-    momentum, axis = model.bn_momentum, world.axis_name
+    net, axis = models.as_network(model), world.axis_name
 
     def local_step(state: TrainState, batch):
         scale = state.loss_scale if dynamic_loss_scale else None
         old_bs = _local_stats(state.batch_stats, bn_mode)
-        grads, sums, bn_sums = forward_backward(
-            model, lax.pcast(state.params, axis, to="varying"), old_bs, batch, scale,
-            grad_accumulation_steps, padding)
+        grads, sums, bn_sums, rules = forward_backward(
+            net, lax.pcast(state.params, axis, to="varying"), old_bs, batch, scale,
+            grad_accumulation_steps, padding, bn_mode, axis,
+            dropout_key(net.seed, state.step, lax.axis_index(axis)))
         buffers = plan.pack(grads, lax.stop_gradient(sums))
         up = exchange.update(buffers, state.params, state.opt_state, state.comm_state,
                              state.step, scale, axis)
-        new_bs, finite = sync_batch_stats(old_bs, bn_sums, bn_mode, momentum, up.last, up.finite,
-                                          axis)
+        new_bs, finite = sync_batch_stats(old_bs, bn_sums, bn_mode, 0.9, up.last, up.finite,
+                                          axis, rules)
         loss_scale, good_steps = state.loss_scale, state.good_steps
         if dynamic_loss_scale:
             loss_scale, good_steps = update_loss_scale(loss_scale, good_steps, finite,
@@ -210,18 +259,23 @@ def make_train_step(model: nn.Module, exchange: GradientExchange, plan: MemoryPl
                          out_specs=(specs, P()), check_vma=exchange.check_vma)
 
 
-def make_fold_bn(world: World, bn_mode: str) -> Callable:
+def make_fold_bn(world: World, bn_mode: str, model=None) -> Callable:
     """Returns ``fold_bn(state) -> folded``: every BN's running statistics and
     affine folded into one per-channel ``scale``/``bias``, once per evaluation
     (see :func:`trjax.batchnorm.fold_batchnorm_tree`). No collective.
-    Folded leaves are ``[C]`` (``[world_size, C]`` in ``local`` mode)."""
+    Folded leaves are ``[C]`` (``[world_size, C]`` in ``local`` mode).
+
+    ``model``: a network that does not fold (:attr:`trjax.models.Network.folds`
+    False: any model but trjax's ResNets) gets its ``batch_stats`` as they are
+    (:meth:`trjax.models.Network.fold`); ``None``: fold (trjax's ResNets)."""
+    fold = fold_batchnorm_tree if model is None else models.as_network(model).fold
     spec = P(world.axis_name) if bn_mode == "local" else P()
 
     def local_fold(state: TrainState):
         bs = state.batch_stats
         if bn_mode == "local":
             bs = jax.tree_util.tree_map(lambda x: x[0], bs)
-        folded = fold_batchnorm_tree(state.params, bs)
+        folded = fold(state.params, bs)
         if bn_mode == "local":
             folded = jax.tree_util.tree_map(lambda x: x[None], folded)
         return folded
@@ -230,13 +284,17 @@ def make_fold_bn(world: World, bn_mode: str) -> Callable:
                          out_specs=spec)
 
 
-def make_eval_step(model: nn.Module, world: World, bn_mode: str, folded: bool = True) -> Callable:
+def make_eval_step(model, world: World, bn_mode: str, folded: bool = True) -> Callable:
     """Returns ``eval_step(params, bn, batch, acc) -> acc``: no collective.
 
     Args (of the returned function):
       params: the model params (replicated).
-      bn: with ``folded=True`` the output of :func:`make_fold_bn`; otherwise
-        the raw ``batch_stats`` (BN then folds on every batch).
+      bn: with ``folded=True`` the output of :func:`make_fold_bn` (the raw
+        ``batch_stats`` for a network that does not fold); otherwise the raw
+        ``batch_stats`` (BN then folds on every batch).
+
+    ``model``: a :class:`trjax.models.Network` or a flax module; it runs with
+    its training flag off (no randomness) on the standardised input.
       batch: as for the train step (``eval_batch_size`` rows).
       acc: ``[world_size, 4] float32`` sharded over the data axis: each device
         adds its batch's ``loss_sum, top1, top5, count`` to its own row.
@@ -244,14 +302,14 @@ def make_eval_step(model: nn.Module, world: World, bn_mode: str, folded: bool = 
     :func:`make_eval_reduce` turns ``acc`` into exact global values once per
     pass (the seed's VAL_RESULT_COMM).
     """
-    collection = "bn_folded" if folded else "batch_stats"
-    axis = world.axis_name
+    net, axis = models.as_network(model), world.axis_name
     bn_spec = P(axis) if bn_mode == "local" else P()
 
     def local_eval(params, bn, batch, acc):
         if bn_mode == "local":
             bn = jax.tree_util.tree_map(lambda x: x[0], bn)
-        logits = model.apply({"params": params, collection: bn}, batch["image"], train=False)
+        x = models.normalize(batch["image"], net.mean, net.std, net.dtype)
+        logits = net.apply_eval(params, bn, x, folded)
         return acc + batch_metrics(logits, batch["label"], batch["mask"])[None]
 
     return jax.shard_map(local_eval, mesh=world.mesh,

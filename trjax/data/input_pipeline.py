@@ -28,7 +28,7 @@ in-process (a gather is microseconds; workers would copy the arrays).
 
 uint8 to the device. Images stay uint8 on the host and in the transfer (4x
 fewer bytes than float32); the compiled step standardises them with
-:func:`trjax.models.normalize` (the model calls it on its input, with the data set's
+:func:`trjax.models.normalize` (the steps call it before the model, with the data set's
 ``mean`` / ``std``).
 """
 

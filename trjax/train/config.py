@@ -32,7 +32,8 @@ class Key:
     """One config key: the values it takes and where it acts.
 
     Attributes:
-      kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"`` or ``"str"``.
+      kind: ``"choice"``, ``"int"``, ``"float"``, ``"bool"``, ``"str"`` or
+        ``"dict"`` (a ``ConfigDict`` of free keys).
       valid: ``choice``: the allowed values; ``int``: the lowest value (the
         highest is :data:`INT32_MAX`), ``None`` when the module that uses it
         checks it; ``float``: ``(low, low included, high, high included)``.
@@ -82,7 +83,8 @@ KEYS = {
     "global_batch_size": Key("int", 1, **_MATCH),
     "eval_batch_size": Key("int", 1),
     # model
-    "model": Key("choice", tuple(models.MODELS), **_MATCH),
+    "model": Key("choice", tuple(models.MODELS), **_MATCH),  # or "module:attr" (check_model)
+    "model_kwargs": Key("dict"),  # resume: config.json compares it (JSON; no checkpoint meta)
     "bn_mode": Key("choice", BN_MODES, **_MATCH),
     "bn_momentum": Key("float", (0.0, True, 1.0, False)),
     # communication
@@ -106,6 +108,12 @@ KEYS = {
     "nesterov": Key("bool"),
     "weight_decay": Key("float", (0.0, True, INF, False)),
     "trust_coefficient": Key("float", (0.0, False, INF, False)),
+    "adam_b1": Key("float", (0.0, True, 1.0, False)),   # adamw only
+    "adam_b2": Key("float", (0.0, True, 1.0, False)),   # adamw only
+    "adam_eps": Key("float", (0.0, False, INF, False)),  # adamw only
+    "grad_clip_norm": Key("float", (0.0, True, INF, False), hint=" (0: off)"),
+    "ema_decay": Key("float", (0.0, True, 1.0, False), **_MATCH,  # the state holds the EMA
+                     hint=" (0: off)"),
     "num_epochs": Key("int", 1, **_WHERE),  # the schedule's length: recomputed on resume
     # run
     "seed": Key("int", 0, **_MATCH),
@@ -178,6 +186,9 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
     """
     c = config
     for key, valid in CHOICES.items():
+        if key == "model":
+            check_model(c.model, c.get("model_kwargs"))
+            continue
         if c[key] not in valid:
             raise ValueError(f"config.{key}={c[key]!r} is not one of {sorted(valid)}")
     policy = str(c.buckets)
@@ -209,9 +220,10 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
                          "in and reads no folder; choose the dataset that folder holds "
                          f"(one of {list(input_pipeline.DATASETS)}) or leave data_dir empty")
     parse_profile_steps(c.profile_steps)
-    if c.shard_optimizer_state and (c.optimizer != "sgd" or c.compression != "none"
-                                    or c.allreduce != "xla"):
-        raise ValueError("config.shard_optimizer_state=True (ZeRO-1) needs optimizer='sgd', "
+    if c.shard_optimizer_state and (c.optimizer not in ("sgd", "adamw") or c.compression != "none"
+                                    or c.allreduce != "xla"):  # elementwise optimizers only
+        raise ValueError("config.shard_optimizer_state=True (ZeRO-1) needs optimizer='sgd' "
+                         "or 'adamw', "
                          "compression='none' and allreduce='xla' (got "
                          f"{c.optimizer!r}, {c.compression!r}, {c.allreduce!r})")
     # a key that the chosen mode would ignore is an error, not a silent no-op
@@ -239,6 +251,145 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
             world_size % c.allreduce_local_size:
         raise ValueError(f"config.allreduce_local_size={c.allreduce_local_size!r} must divide "
                          f"the world size {world_size} (devices per node; 0: per process)")
+
+
+MODEL_ARGS = ("num_classes", "bn_mode", "axis_name", "bn_momentum", "dtype", "conv_lowering")
+"""The keyword arguments the trainer gives a model from the config, the world
+and the data (:func:`resolve_model`); ``config.model_kwargs`` may not name them."""
+IMPORT_PATH_FORM = ("an import path 'package.module:Name' of a flax Module class (linen or "
+                    "nnx) or a factory, importable from sys.path or the current directory")
+
+
+def is_import_path(model: str) -> bool:
+    """``config.model`` names a model by import path (it holds a ``:``)."""
+    return isinstance(model, str) and ":" in model
+
+
+def import_model(path: str):
+    """``"package.module:Name"`` -> the object ``Name`` of that module (``Name``
+    may be dotted: ``module:Outer.Inner``). The current directory is searched
+    after ``sys.path`` (as ``python -m`` would), so a console command finds a
+    module beside the run.
+
+    Raises:
+      ValueError: not of that form, the module does not import (naming the
+        exception: ``ModuleNotFoundError``, an error inside the module), it
+        has no such attribute (``AttributeError``, with close names), or the
+        attribute is not callable.
+    """
+    import importlib
+    import sys
+    module_name, _, attr = path.partition(":")
+    ok = all(p.isidentifier() for p in module_name.split(".")) and \
+        all(p.isidentifier() for p in attr.split("."))
+    if not ok:
+        raise ValueError(f"config.model={path!r} is not of the form 'package.module:Name' "
+                         f"({IMPORT_PATH_FORM}); built-in names: {sorted(models.MODELS)}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.append(os.getcwd())
+    try:
+        obj = importlib.import_module(module_name)
+    except Exception as e:  # noqa: BLE001 -- any failure inside the user's module is theirs
+        raise ValueError(f"config.model={path!r}: module {module_name!r} does not import: "
+                         f"{type(e).__name__}: {e} (expected {IMPORT_PATH_FORM})") from e
+    owner = module_name
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            close = difflib.get_close_matches(part, [n for n in dir(obj) if not n.startswith("_")],
+                                              n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ValueError(f"config.model={path!r}: AttributeError: {owner!r} has no attribute "
+                             f"{part!r}{hint} (expected {IMPORT_PATH_FORM})")
+        obj = getattr(obj, part)
+        owner = f"{owner}.{part}" if ":" in owner else f"{owner}:{part}"
+    if not callable(obj):
+        raise ValueError(f"config.model={path!r} is an object of type {type(obj).__name__!r}, "
+                         f"not a Module class or a factory (expected {IMPORT_PATH_FORM})")
+    return obj
+
+
+def check_model(model: str, model_kwargs=None) -> None:
+    """``config.model`` is a built-in name or an import path that imports
+    (:func:`import_model`); ``model_kwargs`` is a mapping of keyword arguments
+    that leaves :data:`MODEL_ARGS` to the trainer.
+
+    Raises:
+      ValueError: naming the value, the reason and the expected form.
+    """
+    if is_import_path(model):
+        import_model(model)
+    elif model not in models.MODELS:
+        dotted = isinstance(model, str) and "." in model and \
+            all(p.isidentifier() for p in model.split("."))
+        hint = (f"; did you mean {model.rsplit('.', 1)[0] + ':' + model.rsplit('.', 1)[1]!r}?"
+                if dotted else "")
+        raise ValueError(f"config.model={model!r} is not one of {sorted(models.MODELS)} nor "
+                         f"{IMPORT_PATH_FORM}{hint}")
+    if model_kwargs is None:
+        return
+    if not hasattr(model_kwargs, "items"):
+        raise ValueError(f"config.model_kwargs={model_kwargs!r} must be a dict of keyword "
+                         "arguments (--config.model_kwargs=\"{'width': 32}\")")
+    taken = sorted(set(model_kwargs.keys()) & set(MODEL_ARGS))
+    if taken:
+        raise ValueError(f"config.model_kwargs sets {taken}: the trainer passes "
+                         f"{list(MODEL_ARGS)} from the config, the world and the data set "
+                         "(set config.bn_mode, config.precision, ... instead)")
+
+
+def resolve_model(config: ml_collections.ConfigDict, num_classes: int, **trainer_args):
+    """Builds ``config.model``: a built-in name or an import path.
+
+    A built-in name is :func:`trjax.models.create_model` with ``num_classes``,
+    ``trainer_args`` and ``config.model_kwargs``. An import path's object
+    (:func:`import_model`) is called with ``num_classes``, those of
+    ``trainer_args`` (e.g. ``bn_mode``, ``axis_name``, ``dtype``:
+    :data:`MODEL_ARGS`) that it takes as named parameters, and
+    ``config.model_kwargs``. An ``nnx.Module`` class becomes
+    ``flax.nnx.bridge.to_linen(cls, ...)`` (built with ``rngs`` per key).
+
+    Returns:
+      The model: a flax linen Module, a ``ToLinen`` of an nnx class, or the
+      ``nnx.Module`` instance a factory returned.
+
+    Raises:
+      ValueError: a bad ``config.model`` / ``model_kwargs`` (:func:`check_model`),
+        the constructor refused the arguments, or it returned no flax Module.
+    """
+    import inspect
+    import sys
+    kwargs = config.get("model_kwargs") or {}
+    check_model(config.model, kwargs)
+    kwargs = kwargs.to_dict() if isinstance(kwargs, ml_collections.ConfigDict) else dict(kwargs)
+    if not is_import_path(config.model):
+        return models.create_model(config.model, num_classes=num_classes, **trainer_args,
+                                   **kwargs)
+    target = import_model(config.model)
+    nnx = sys.modules.get("flax.nnx")
+    is_nnx = nnx is not None and isinstance(target, type) and issubclass(target, nnx.Module)
+    try:
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: offer nothing more
+        params = {}
+    named = {n for n, p in params.items()
+             if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    args = {"num_classes": num_classes,
+            **{k: v for k, v in trainer_args.items() if k in named}, **kwargs}
+    shown = f"{config.model}({', '.join(f'{k}=...' for k in args)})"
+    try:
+        model = nnx.bridge.to_linen(target, **args) if is_nnx else target(**args)
+    except Exception as e:  # noqa: BLE001 -- the user's constructor: name what it was given
+        raise ValueError(f"config.model={config.model!r}: {shown} failed: {type(e).__name__}: "
+                         f"{e} (num_classes comes from the data set, the rest from "
+                         "config.model_kwargs)") from e
+    nnx = sys.modules.get("flax.nnx")  # the module may have imported it
+    linen = sys.modules["flax.linen"]
+    if not isinstance(model, linen.Module) and not (nnx is not None and
+                                                    isinstance(model, nnx.Module)):
+        raise ValueError(f"config.model={config.model!r}: {shown} returned a "
+                         f"{type(model).__name__}, not a flax Module (a linen Module or an nnx "
+                         "Module, or an nnx Module class: trjax builds it with rngs)")
+    return model
 
 
 def parse_profile_steps(spec: str) -> tuple[int, int] | None:
@@ -320,6 +471,11 @@ def check_overrides(config: ml_collections.ConfigDict, argv: list[str]) -> None:
         if not arg.startswith("--config."):
             continue
         key, eq, value = arg[len("--config."):].partition("=")
+        if key not in known and key.startswith("model_kwargs.") and "model_kwargs" in known:
+            name = key[len("model_kwargs."):]
+            raise ValueError(f"--config.{key}: config.model_kwargs has no key {name!r} to "
+                             "override; give the whole dict: "
+                             f"--config.model_kwargs=\"{{'{name}': {value or '...'}}}\"")
         if key not in known:
             close = difflib.get_close_matches(key, known, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else ""

@@ -72,7 +72,7 @@ def _finishing(ckpt, seconds: list):
 
 @holds_workdir  # one live run per workdir (process 0 holds WORKDIR/trjax.lock)
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       data: input_pipeline.Dataset | None = None):
+                       data: input_pipeline.Dataset | None = None, model=None, tx=None):
     """Trains and evaluates, checkpointing under ``workdir/checkpoints``.
 
     Resumes by default from the newest readable checkpoint in ``workdir``
@@ -82,6 +82,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       config: see ``configs/default.py``.
       workdir: where ``metrics.jsonl``, ``summary.json`` and checkpoints go.
       data: optional in-memory :class:`trjax.data.Dataset`.
+      model: optional flax model (linen or nnx) instead of ``config.model``
+        (see :func:`trjax.train.trainer.prepare`).
+      tx: optional optax optimizer instead of the config's (see
+        :func:`trjax.train.trainer.prepare`); pass the same one on resume.
 
     Returns:
       ``(state, summary)``: the final :class:`trjax.state.TrainState` and the
@@ -103,7 +107,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       trjax.train.workdir.WorkdirBusy: another live run writes into ``workdir``.
     """
     t_start = time.perf_counter()
-    prepared = prepare(config, data)
+    prepared = prepare(config, data, model, tx)
     seconds = {"prepare": time.perf_counter() - t_start}  # where the wall time goes
     cache = compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
     with compilation.CompileLog("startup") as compiles:  # every executable built, by phase
@@ -377,7 +381,8 @@ class Run:
         watchdog.beat(step_index)
         row = {"epoch": epoch, "step": step_index,
                **{f"train_{k}": v for k, v in sums.rates().items()},
-               **{f"val_{k}": val[k] for k in ("loss", "top1", "top5")},
+               **{f"val_{k}": val[k] for k in ("loss", "top1", "top5", "ema_loss", "ema_top1",
+                                               "ema_top5") if k in val},
                "images_per_s": sums.count / epoch_s, "epoch_s": epoch_s,
                "lr": float(self.lr_table[step_index - 1])}  # what the epoch's last step used
         if self.writer is not None:
@@ -402,6 +407,7 @@ class Run:
         loop_phases = ("train", "evaluate", "checkpoint", compilation.BACKGROUND)
         summary = {
             "val_top1": val["top1"], "val_top5": val["top5"], "val_loss": val["loss"],
+            **{f"val_{k}": val[k] for k in ("ema_top1", "ema_top5", "ema_loss") if k in val},
             "val_examples": val["count"],
             "world_size": world.world_size, "process_count": jax.process_count(),
             "global_batch_size": world.global_batch_size,

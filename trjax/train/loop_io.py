@@ -24,6 +24,7 @@ from typing import Callable
 
 import jax
 
+from trjax.configs import default as default_config
 from trjax.metrics import StepMetrics
 from trjax.train.config import RESUME_MAY_CHANGE, parse_profile_steps
 from trjax.train.metrics_log import read_rows
@@ -65,7 +66,11 @@ def save_config(config, workdir: str, resuming: bool, write: bool = True) -> lis
     if resuming and os.path.isfile(path):
         with open(path) as f:
             saved = json.load(f)
-        a, b = _flat(saved), _flat(now)
+        # a key the saved config lacks (added to trjax since) counts as its default
+        defaults = _flat(json.loads(json.dumps(default_config.get_config().to_dict(),
+                                               default=str)))
+        a, b = {**{k: v for k, v in defaults.items() if k in _flat(now)}, **_flat(saved)}, \
+            _flat(now)
         diff = {k: (a.get(k, "<absent>"), b.get(k, "<absent>"))
                 for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")}
         bad = {k: v for k, v in diff.items() if k.split(".")[0] not in RESUME_MAY_CHANGE}

@@ -2,8 +2,10 @@
 
 * Exit codes of ``scripts/train.py`` (documented in docs/checkpoints.md):
   :data:`EXIT_ERROR` (bad input, an incompatible checkpoint or config, a busy
-  workdir), :data:`EXIT_PEER_LOST` (a collective failed or no step finished
-  for ``config.step_timeout_s``: a peer process died or hangs),
+  workdir), :data:`EXIT_PEER_LOST` (a peer process died or hangs: a
+  collective failed, a peer's heartbeat stopped, or no step finished for
+  ``config.step_timeout_s``; the line before the exit names this process's
+  step and the lost process, :class:`trjax.train.distributed.PeerMonitor`),
   :data:`EXIT_NONFINITE` (``halt_on_nonfinite`` or
   ``max_consecutive_overflows``), :data:`EXIT_PREEMPTED` (SIGTERM/SIGUSR1:
   the run saved a checkpoint and can be restarted to resume), :data:`EXIT_INTERRUPTED`

@@ -62,15 +62,36 @@ class Trainer:
 
 
 def prepare(config: ml_collections.ConfigDict,
-            data: input_pipeline.Dataset | None = None) -> Trainer:
+            data: input_pipeline.Dataset | None = None, model=None, tx=None) -> Trainer:
     """Config -> world -> data -> model, plan, schedule and gradient exchange.
 
     Every check on the config, the device spec and the batch split runs
     first (:func:`trjax.train.config.validate`); nothing is traced, compiled or
     placed on a device. :func:`setup` finishes the job.
 
+    Args:
+      config: see ``configs/default.py``.
+      data: a :class:`trjax.data.input_pipeline.Dataset` to use instead of
+        ``config.dataset``.
+      model: your own flax model instead of ``config.model`` (a built-in name
+        or an import path, :func:`trjax.train.config.resolve_model`): a linen
+        module or an ``nnx.Module`` (``__call__(x, train)`` -> logits ``[B,
+        num_classes]``, float; see :func:`trjax.models.wrap`). trjax
+        standardises the input with the data set's statistics, gives flax's
+        BatchNorm layers its statistics in ``config.bn_mode`` and dropout its
+        key; ``config.bn_momentum`` and ``config.conv_lowering`` apply only to
+        trjax's own ResNets (your layers keep their momentum and epsilon).
+      tx: an optax ``GradientTransformation`` (or ``(plan, schedule) ->
+        GradientTransformation``) instead of the config's optimizer, applied
+        after the gradient exchange to the exact global mean gradient
+        (:func:`trjax.exchange.from_config` says how it composes with
+        ``grad_clip_norm``, ``ema_decay``, compression and ZeRO-1).
+
     Raises:
-      ValueError: an invalid config, device spec or batch split.
+      ValueError: an invalid config, device spec or batch split; a model whose
+        output is not ``[B, num_classes]`` float logits.
+      TypeError: a ``model`` that is neither a linen nor an nnx module, or a
+        ``tx`` that is not an optax ``GradientTransformation``.
     """
     config_lib.validate(config)
     world = make_world(config.devices, config.global_batch_size)
@@ -83,20 +104,25 @@ def prepare(config: ml_collections.ConfigDict,
     train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
                                                  config.train_remainder)
     config_lib.validate_steps(config, len(data.train.labels), world.global_batch_size, train_steps)
-    lowering = resolve_conv_lowering(config.conv_lowering, world.devices[0].platform)
-    model = models.create_model(config.model, num_classes=data.num_classes, bn_mode=config.bn_mode,
-                                axis_name=world.axis_name, bn_momentum=config.bn_momentum,
-                                dtype=compute_dtype(config.precision), input_mean=data.mean,
-                                input_std=data.std, conv_lowering=lowering)
+    dtype = compute_dtype(config.precision)
+    builtin = model is None and not config_lib.is_import_path(config.model)
+    if model is None:  # config.model: a built-in name or an import path
+        lowering = resolve_conv_lowering(config.conv_lowering, world.devices[0].platform)
+        model = config_lib.resolve_model(config, data.num_classes, bn_mode=config.bn_mode,
+                                         axis_name=world.axis_name,
+                                         bn_momentum=config.bn_momentum, dtype=dtype,
+                                         conv_lowering=lowering)
+    model = models.wrap(model, image_shape=data.image_shape, num_classes=data.num_classes,
+                        mean=data.mean, std=data.std, dtype=dtype, seed=config.seed,
+                        check=not builtin)
     plan = build_plan(model, data.image_shape, config.buckets)
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
-    exchange = exchange_lib.from_config(config, plan, schedule, world)
+    exchange = exchange_lib.from_config(config, plan, schedule, world, tx=tx)
     full = input_pipeline.train_batches_full(data.train, world.global_batch_size,
                                              config.train_remainder)
-    return Trainer(config, world, data, model, plan, schedule, exchange, train_steps,
-                   compute_dtype(config.precision), full)
+    return Trainer(config, world, data, model, plan, schedule, exchange, train_steps, dtype, full)
 
 
 def data_identity(split) -> dict:
@@ -125,19 +151,26 @@ def checkpoint_keys(tr: Trainer) -> dict:
     """Everything a checkpoint of this run must match to be resumed: the config
     keys :data:`trjax.train.config.CHECKPOINT_KEYS`, the training data's
     :func:`data_identity`, what the exchange's state depends on
-    (``exchange.checkpoint_keys``) and, in ``local`` BN mode (one statistics row
-    per replica), the world size."""
+    (``exchange.checkpoint_keys``), in ``local`` BN mode (one statistics row
+    per replica) the world size and, for a model other than trjax's ResNets
+    (``model=`` or an import path), ``model_layout``: a SHA-256 of its
+    parameter and statistics names, shapes and dtypes, so that a resume with
+    another model is refused by name before anything is compiled."""
     keys = {k: tr.config[k] for k in config_lib.CHECKPOINT_KEYS}
     keys.update(data_identity(tr.data.train))
     keys.update(tr.exchange.checkpoint_keys(tr.world))
     if tr.config.bn_mode == "local":
         keys["world_size"] = tr.world.world_size
+    if not isinstance(tr.model.module, models.ResNet):
+        layout = [(s.name, s.shape, s.dtype) for s in tr.plan.slots] + \
+            sorted((name, shape) for name, (_, _, shape) in tr.plan.stats_slots.items())
+        keys["model_layout"] = hashlib.sha256(repr(layout).encode()).hexdigest()[:16]
     return keys
 
 
 def setup(config: ml_collections.ConfigDict,
           data: input_pipeline.Dataset | None = None,
-          prepared: Trainer | None = None) -> Trainer:
+          prepared: Trainer | None = None, model=None, tx=None) -> Trainer:
     """:func:`prepare`, then the train state and the compiled steps.
 
     The four steps are compiled here, once, with the train state donated;
@@ -148,12 +181,15 @@ def setup(config: ml_collections.ConfigDict,
       data: a :class:`trjax.data.input_pipeline.Dataset` to use instead of
         ``config.dataset`` (arrays already in memory).
       prepared: the output of :func:`prepare` for this config, if already built.
+      model: your own flax model (see :func:`prepare`).
+      tx: your own optax optimizer (see :func:`prepare`).
 
     Raises:
-      ValueError: an invalid config, device spec or batch split (before
-        anything is compiled).
+      ValueError: an invalid config, device spec or batch split, or a model
+        with the wrong output (before anything is compiled).
+      TypeError: a ``model`` that is neither a linen nor an nnx module.
     """
-    tr = prepared if prepared is not None else prepare(config, data)
+    tr = prepared if prepared is not None else prepare(config, data, model, tx)
     world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
     fp16 = config.precision == "fp16"
     init = train_state_program(config.seed, model, tr.exchange, world, data.image_shape,
@@ -179,7 +215,7 @@ def setup(config: ml_collections.ConfigDict,
                 grad_accumulation_steps=config.grad_accumulation_steps,
                 padding=not tr.full_batches),
             init.abstract, example(world.global_batch_size), donate_argnums=0)
-        fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode),
+        fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode, model),
                                    init.abstract)
         folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
         eval_step = aot.compile_step("eval_step",
@@ -193,12 +229,16 @@ def setup(config: ml_collections.ConfigDict,
                                eval_reduce=eval_reduce)
 
 
-def evaluate_pass(tr: Trainer, state, skipped: set | None = None) -> dict:
+def evaluate_pass(tr: Trainer, state, skipped: set | None = None, ema: bool = True) -> dict:
     """One validation pass: fold BN once, accumulate per device, ONE all-reduce.
 
     Returns ``{"loss", "top1", "top5", "count", "sums"}``: global sums over the
     global count of real examples (padding rows are masked out); ``sums`` is
-    the raw ``[loss_sum, top1_correct, top5_correct, count]``.
+    the raw ``[loss_sum, top1_correct, top5_correct, count]``. With ``ema`` and a
+    state that holds an EMA of its parameters (``config.ema_decay > 0``), a second
+    pass evaluates the EMA (:func:`trjax.exchange.ema_state`: the EMA parameters
+    with the state's BN statistics, on the same compiled programs) and adds
+    ``ema_loss``, ``ema_top1``, ``ema_top5`` and ``ema_sums``.
     """
     world = tr.world
     folded = tr.fold_bn(state)
@@ -212,4 +252,8 @@ def evaluate_pass(tr: Trainer, state, skipped: set | None = None) -> dict:
             batch, world.sharded(), tr.data.num_classes, tr.dtype), acc)
     sums = host_value(tr.eval_reduce(acc))
     total = StepMetrics.from_sums(sums)
-    return {**total.rates(), "count": int(total.count), "sums": sums.tolist()}
+    result = {**total.rates(), "count": int(total.count), "sums": sums.tolist()}
+    if ema and exchange_lib.ema_params(state) is not None:  # config.ema_decay > 0
+        of_ema = evaluate_pass(tr, exchange_lib.ema_state(state), skipped, ema=False)
+        result.update({f"ema_{k}": of_ema[k] for k in ("loss", "top1", "top5", "sums")})
+    return result

@@ -1,0 +1,271 @@
+"""Every gradient-exchange path in the compiled train step, not only the plain all-reduce:
+each all-reduce algorithm (xla, ring, halving_doubling, tree, hierarchical), each compressor
+(bf16, fp16, powersgd, topk) and the sharded optimizer state (ZeRO-1). Per path: the
+collectives of the compiled program, bucket by bucket; loss-scaled (fp16's dynamic loss
+scale) steps against scale 1; an overflow skipping the update. Then compression that starts
+at a later step.
+
+One small ResNet-8 (one stage of width 8), local BN (no BN collective: the program's
+collectives are the exchange's only), 8 devices, global batch 32, the default "two" buckets.
+Each path's step is compiled once for the module, with the dynamic loss scale on (a state
+with loss scale 1 runs it as the fp32 step: the loss times 1, the sums divided by 1)."""
+import collections
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import random_batch, to_host
+from trjax import aot, comm, compression, exchange, models, optim, steps
+from trjax.metrics import METRICS
+from trjax.plan import build_plan, layer_matrices, shard_layout
+from trjax.state import create_train_state
+from trjax.world import make_world
+
+N, LOCAL, RATIO, BN = 8, 4, 0.05, "local"
+ALGORITHMS = ("xla", "ring", "halving_doubling", "tree", "hierarchical")
+COMPRESSORS = ("bf16", "fp16", "powersgd", "topk")
+PATHS = ALGORITHMS + COMPRESSORS + ("shard_optimizer_state",)
+
+
+@functools.lru_cache(maxsize=None)
+def _setup():
+    world = make_world("all", 32)
+    model = models.create_model("resnet8", num_classes=10, stage_sizes=(1,), widths=(8,),
+                                stem_width=8, bn_mode=BN, axis_name=world.axis_name)
+    plan = build_plan(model, (8, 8, 1))
+    return world, model, plan
+
+
+def _tx(plan, mask=None):
+    return optim.make_optimizer("sgd", 0.1, None if mask is not None else plan, mask=mask,
+                                weight_decay=1e-3, momentum=0.9)
+
+
+def _exchange(path, start_step=0):
+    _, _, plan = _setup()
+    if path in ALGORITHMS:
+        return exchange.allreduce(_tx(plan), plan, path, LOCAL)
+    if path == "shard_optimizer_state":
+        return exchange.shard_optimizer_state(plan, N, lambda mask: _tx(plan, mask))
+    comp = {"bf16": compression.bf16, "fp16": compression.fp16,
+            "topk": lambda: compression.topk(RATIO),
+            "powersgd": lambda: {b: compression.powersgd(1, layer_matrices(plan, b))
+                                 for b in plan.bucket_elements}}[path]()
+    return exchange.compressed(_tx(plan), plan, comp, start_step=start_step)
+
+
+@functools.lru_cache(maxsize=None)
+def _built(path, start_step=0):
+    """``(compiled step, initial state)``; not donated, so a state can be run twice."""
+    world, model, plan = _setup()
+    ex = _exchange(path, start_step)
+    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), BN)
+    step = aot.compile_step("train", steps.make_train_step(
+        model, ex, plan, world, BN, dynamic_loss_scale=True), state, _batch(0))
+    return step, state
+
+
+def _batch(i):
+    world, _, _ = _setup()
+    return jax.device_put(random_batch(32, seed=40 + i), world.sharded())
+
+
+def _with_scale(state, scale):
+    return state.replace(loss_scale=jax.device_put(np.float32(scale), state.loss_scale.sharding))
+
+
+def _gradient_elements(path):
+    """ZeRO-1's optimizer state is flat per bucket (``[n_pad]``), the metric sums' slot and
+    the padding included: ``{shape: index of the gradient elements}`` to compare (the slot's
+    "momentum" of metric sums divided by the loss scale is never applied to a parameter, so
+    it differs between loss scales without an effect); ``{}`` for the other paths."""
+    if path != "shard_optimizer_state":
+        return {}
+    _, _, plan = _setup()
+    is_grad = {b: np.zeros(n, bool) for b, (n, _) in shard_layout(plan, N).items()}
+    for slot in plan.slots:
+        is_grad[slot.bucket][slot.offset:slot.offset + slot.size] = True
+    assert len({m.shape for m in is_grad.values()}) == len(is_grad)  # shapes tell the buckets
+    return {m.shape: m for m in is_grad.values()}
+
+
+def _run(path, scales, start_step=0, state=None):
+    step, init = _built(path, start_step)
+    state = init if state is None else state
+    metrics = []
+    for i, s in enumerate(scales):
+        state, m = step(_with_scale(state, s), _batch(i))
+        metrics.append(np.asarray(m))
+    return state, metrics
+
+
+# --------------------------------------------------------------------------- collectives
+
+def expected_transfers(path, plan):
+    """What the exchange sends, ``{bucket: [(kind, dtypes, elements)]}`` (one entry per
+    collective operand, in program order; ``"*"``: the compressed exchange's and ZeRO-1's
+    small exact all-reduce of the metric sums), from the algorithms (trjax.allreduce,
+    trjax.compression, trjax.exchange):
+
+    * xla: one all-reduce of the bucket (metric sums inside);
+    * ring: 2 collective-permutes of ``ceil(n / N)`` (one per ``fori_loop`` body: N-1
+      reduce-scatter steps, N-1 all-gather steps);
+    * halving_doubling: ``2 log2 N`` collective-permutes of ``d * ceil(n / N)``, d = N/2 ... 1
+      then 1 ... N/2;
+    * tree: ``2 ceil(log2 N)`` collective-permutes of the whole bucket;
+    * hierarchical: reduce-scatter within a node (``ceil(n / L)``), all-reduce across nodes
+      (the same), all-gather within the node (``L ceil(n / L)``);
+    * compressed: the metric sums in their own exact f32 all-reduce, then per bucket: bf16 /
+      fp16 one all-reduce of the gradient part in the wire dtype (XLA:CPU runs a bf16
+      all-reduce in f32); PowerSGD (rank 1) two all-reduces, P (every matrix's rows, plus the
+      vectors sent exactly) then Q (every matrix's columns); top-k one all-gather of 2k
+      uint32 words per device;
+    * shard_optimizer_state: per bucket a reduce-scatter of ``n_pad / N`` and an all-gather
+      of ``n_pad``; one all-reduce of the metric sums and the non-finite flag.
+    """
+    mb, _ = plan.metrics_slot
+    nm = len(METRICS)
+    f32 = ("f32",)
+    out = {}
+    if path in COMPRESSORS:
+        out["*"] = [("all-reduce", f32, nm)]
+    if path == "shard_optimizer_state":
+        out["*"] = [("all-reduce", f32, nm + 1)]
+        for b, (n_pad, _) in shard_layout(plan, N).items():
+            out[b] = [("reduce-scatter", f32, n_pad // N), ("all-gather", f32, n_pad)]
+        return out
+    for b, n in plan.bucket_elements.items():
+        g = n - nm if b == mb else n  # what a compressor gets: the metric sums left out
+        c = -(-n // N)
+        if path == "xla":
+            out[b] = [("all-reduce", f32, n)]
+        elif path == "ring":
+            out[b] = [("collective-permute", f32, c)] * 2
+        elif path == "halving_doubling":
+            out[b] = [("collective-permute", f32, d * c) for d in (4, 2, 1, 1, 2, 4)]
+        elif path == "tree":
+            out[b] = [("collective-permute", f32, n)] * 6
+        elif path == "hierarchical":
+            p = -(-n // LOCAL)
+            out[b] = [("reduce-scatter", f32, p), ("all-reduce", f32, p),
+                      ("all-gather", f32, p * LOCAL)]
+        elif path in ("bf16", "fp16"):
+            out[b] = [("all-reduce", ("bf16", "f32") if path == "bf16" else ("f16",), g)]
+        elif path == "powersgd":
+            mats = layer_matrices(plan, b)
+            rows, cols = sum(r for _, r, _ in mats), sum(k for _, _, k in mats)
+            out[b] = [("all-reduce", f32, rows + g - sum(r * k for _, r, k in mats)),
+                      ("all-reduce", f32, cols)]
+        elif path == "topk":
+            out[b] = [("all-gather", ("u32",), N * 2 * compression.topk_k(g, RATIO))]
+    return out
+
+
+def _matches(c, transfer):
+    kind, dtypes, elements = transfer
+    return c["kind"] == kind and any(o["elements"] == elements and o["dtype"] in dtypes
+                                     for o in c["operands"])
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_collectives_per_bucket_on_every_exchange_path(path):
+    """The compiled step holds exactly the collectives the exchange's algorithm sends per
+    bucket, no more (a second exchange, a BN or loss-scale collective), in bucket order, and
+    none merged across buckets: the buckets are chained (a data dependency), so the only
+    merge XLA:CPU's all-reduce combiner makes is of the small exact all-reduce of the metric
+    sums with the next independent f32 all-reduce (the bf16 one XLA:CPU promotes, or
+    PowerSGD's P)."""
+    _, _, plan = _setup()
+    step, _ = _built(path)
+    cols = comm.collectives_in_hlo(step.hlo_text())
+    got = collections.Counter((c["kind"], o["dtype"], o["elements"]) for c in cols
+                              for o in c["operands"])
+    want = expected_transfers(path, plan)
+    for kind, dtypes, elements in (t for ts in want.values() for t in ts):  # each one once
+        match = [k for k in got if got[k] and k[0] == kind and k[2] == elements and
+                 k[1] in dtypes]
+        assert match, (path, kind, dtypes, elements, sorted(got.items()))
+        got[match[0]] -= 1
+    assert not +got, (path, "unexpected collectives", sorted((+got).items()))
+    metrics = want.get("*", [None])[0]
+    for c in cols:  # only the metric sums may ride along in another all-reduce
+        if len(c["operands"]) > 1:
+            assert metrics is not None and c["kind"] == "all-reduce" and \
+                len(c["operands"]) == 2 and _matches(c, metrics), (path, c)
+    first = [next(i for i, c in enumerate(cols) if _matches(c, want[b][0]))
+             for b in plan.bucket_elements]
+    assert first == sorted(first), (path, "buckets out of order", first)
+
+
+# --------------------------------------------------------------------------- loss scale
+
+SCALED = (2.0 ** 12, 2.0 ** 5)  # a loss-scale change between the two steps
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_loss_scaled_steps_equal_scale_one_and_an_overflow_skips_the_update(path):
+    """Two steps at loss scales 2^12 then 2^5 against the same two at scale 1 (the fp32
+    step): the parameters, optimizer, comm (error feedback) and BN state agree within
+    rounding -- multiplying by a power of two is exact, so only the float16 wire of the fp16
+    compressor, which at scale 1 loses gradients below float16's normal range, differs at
+    all. Then a step at scale 2^127 overflows: the update is skipped on every path (state
+    unchanged bit for bit, skipped_steps + 1, the scale halved, the step's finite flag 0)."""
+    ref, m_ref = _run(path, (1.0, 1.0))
+    out, m_out = _run(path, SCALED)
+    tol = 2e-3 if path == "fp16" else 1e-6
+    ref_h, out_h = to_host(ref), to_host(out)
+    keep = _gradient_elements(path)
+    for part in ("params", "opt_state", "batch_stats", "comm_state"):
+        for (key, x), y in zip(jax.tree_util.tree_flatten_with_path(getattr(ref_h, part))[0],
+                               jax.tree_util.tree_leaves(getattr(out_h, part))):
+            if part == "opt_state" and x.shape in keep:
+                x, y = x[keep[x.shape]], y[keep[x.shape]]
+            scale = max(np.abs(x).max(), 1e-6)
+            assert np.abs(y - x).max() <= tol * scale, (path, part, jax.tree_util.keystr(key))
+    np.testing.assert_array_equal(m_out[0][:len(METRICS)], m_ref[0][:len(METRICS)])  # unscaled
+    np.testing.assert_allclose(m_out[1][:len(METRICS)], m_ref[1][:len(METRICS)], rtol=tol)
+    step, _ = _built(path)
+    skipped, m = step(_with_scale(out, 2.0 ** 127), _batch(2))
+    skipped_h = to_host(skipped)
+    assert float(m.finite) == 0.0, path
+    assert int(skipped_h.skipped_steps) == int(out_h.skipped_steps) + 1
+    assert float(skipped_h.loss_scale) == 2.0 ** 126
+    for part in ("params", "opt_state", "batch_stats", "comm_state"):
+        for x, y in zip(jax.tree_util.tree_leaves(getattr(out_h, part)),
+                        jax.tree_util.tree_leaves(getattr(skipped_h, part))):
+            np.testing.assert_array_equal(y, x, err_msg=f"{path} {part}")
+
+
+# --------------------------------------------------------------------------- start step
+
+def test_compression_start_step_steps_before_it_are_uncompressed_bit_for_bit():
+    """compression_start_step = 2 (top-k): steps 1 and 2 (state.step 0 and 1) are the plain
+    all-reduce's, bit for bit, and leave the compressor state (its error feedback) at its
+    initial zeros; step 3 (state.step 2) is compressed: the same as the compressed
+    exchange's step from that state, and not the plain one's."""
+    compressed, plain_states = [], []
+    state = _built("topk", 2)[1]
+    plain = _built("xla")[1]
+    for i in range(2):
+        state, _ = _built("topk", 2)[0](state, _batch(i))
+        plain, _ = _built("xla")[0](plain, _batch(i))
+        s, p = to_host(state), to_host(plain)
+        for part in ("params", "opt_state", "batch_stats"):
+            for x, y in zip(jax.tree_util.tree_leaves(getattr(p, part)),
+                            jax.tree_util.tree_leaves(getattr(s, part))):
+                np.testing.assert_array_equal(y, x, err_msg=f"step {i + 1} {part}")
+        for leaf in jax.tree_util.tree_leaves(s.comm_state):
+            assert not np.any(leaf), f"step {i + 1}: the compressor state was touched"
+        assert int(s.step) == i + 1
+    third, _ = _built("topk", 2)[0](state, _batch(2))
+    from_start, _ = _built("topk")[0](state, _batch(2))  # compressed from step 0
+    plain3, _ = _built("xla")[0](plain, _batch(2))
+    third, from_start, plain3 = to_host(third), to_host(from_start), to_host(plain3)
+    for x, y in zip(jax.tree_util.tree_leaves((from_start.params, from_start.comm_state)),
+                    jax.tree_util.tree_leaves((third.params, third.comm_state))):
+        np.testing.assert_array_equal(y, x)
+    assert any(np.any(leaf) for leaf in jax.tree_util.tree_leaves(third.comm_state))
+    assert any(not np.array_equal(x, y) for x, y in zip(
+        jax.tree_util.tree_leaves(third.params), jax.tree_util.tree_leaves(plain3.params)))
