@@ -8,6 +8,7 @@ from helpers import max_rel, random_batch, setup, small_config, to_host
 from trjax import aot, comm, compression, exchange, optim, steps
 from trjax.plan import build_plan
 from trjax.state import create_train_state
+from trjax.world import make_world
 
 
 def _one_step(policy="two", allreduce="xla", compressor=None, bn_mode="running", local_size=None,
@@ -119,9 +120,44 @@ def test_compressor_state_is_carried():
         lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), state.comm_state))
     fresh, _ = step(zeroed, batch(6))
     assert max_rel(to_host(fresh.params), two.params) > 1e-6
-    # error feedback conserves the gradient: sent + kept = error_1 + new gradient
     assert not np.array_equal(two.comm_state["deep"]["error"],
                               to_host(fresh.comm_state)["deep"]["error"])
+
+
+@pytest.mark.parametrize("method", ["allgather", "dense"])
+def test_topk_error_feedback_conserves_the_gradient(method):
+    """Per device, what top-k sends plus what it keeps is its gradient plus the error it
+    carried (sent + kept = error + new gradient, exactly: a split of one vector), the
+    sent part is the k entries largest in magnitude (numpy), and the all-reduce result is
+    the sum of every device's sent part."""
+    from jax.sharding import PartitionSpec as P
+    world = make_world("all", 8)
+    n, ratio = 40, 0.1
+    k = compression.topk_k(n, ratio)
+    topk = compression.make_compressor("topk", ratio=ratio, method=method)
+    rng = np.random.default_rng(3)
+    g = rng.normal(size=(8, n)).astype(np.float32)
+    e = rng.normal(scale=0.5, size=(8, n)).astype(np.float32)
+
+    def local(g, e):
+        reduced, st = topk.allreduce(g[0], {"error": e[0]}, world.axis_name)
+        return reduced[None], st["error"][None]
+
+    f = jax.jit(jax.shard_map(local, mesh=world.mesh, in_specs=(P(world.axis_name),) * 2,
+                              out_specs=(P(world.axis_name),) * 2, check_vma=False))
+    reduced, kept = (np.asarray(a) for a in f(jax.device_put(g, world.sharded()),
+                                              jax.device_put(e, world.sharded())))
+    acc = g + e
+    sent = acc - kept
+    np.testing.assert_array_equal(sent + kept, acc)  # nothing lost, nothing made up
+    for i in range(8):
+        top = np.argsort(-np.abs(acc[i]), kind="stable")[:k]
+        expect = np.zeros(n, np.float32)
+        expect[top] = acc[i, top]
+        np.testing.assert_array_equal(sent[i], expect)
+        np.testing.assert_array_equal(kept[i][top], 0.0)
+    for i in range(8):  # every device holds the same sum of the sent parts
+        np.testing.assert_allclose(reduced[i], sent.sum(axis=0), rtol=1e-6, atol=1e-6)
 
 
 def test_accumulation_equals_twice_the_replicas():

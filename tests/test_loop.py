@@ -131,3 +131,22 @@ def test_the_loss_scale_the_host_logs_and_acts_on_is_the_devices(tmp_path):
     assert [r["loss_scale"] for r in rows] == device
     assert any(b > a for a, b in zip(device, device[1:]))  # grew
     assert any(b < a for a, b in zip(device, device[1:]))  # fell
+
+
+def test_files_skipped_before_a_mid_epoch_stop_are_still_counted_after_the_resume(tmp_path):
+    """skip_bad_images: the undecodable files found before a mid-epoch checkpoint travel in
+    its meta, so the resumed run's summary counts them as the uninterrupted run does."""
+    from test_imagefolder import _write_bad_folder
+    bad = _write_bad_folder(tmp_path / "data")
+    folder = input_pipeline.load_dataset("imagefolder", str(tmp_path / "data"), 16,
+                                         skip_bad_images=True)
+    first = lambda s: set(input_pipeline.epoch_order(8, shuffle=True, seed=s, epoch=1)[:4])
+    bad_rows = {folder.train.paths.index(p) for p in bad}
+    seed = next(s for s in range(100) if bad_rows & first(s))  # a bad file in batch 1
+    cfg = dict(dataset="imagefolder", data_dir=str(tmp_path / "data"), image_size=16,
+               skip_bad_images=True, devices="4", global_batch_size=4, eval_batch_size=4,
+               num_epochs=1, seed=seed, log_every_steps=0, tensorboard=False, data_workers=0)
+    _, whole = train_and_evaluate(small_config(**cfg), str(tmp_path / "whole"))
+    train_and_evaluate(small_config(halt_after_steps=1, **cfg), str(tmp_path / "cut"))
+    _, resumed = train_and_evaluate(small_config(**cfg), str(tmp_path / "cut"))
+    assert whole["skipped_images"] == resumed["skipped_images"] == 2

@@ -15,8 +15,6 @@ import sys
 import threading
 import time
 
-import pytest
-
 from trjax.train import distributed, stops
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")

@@ -28,7 +28,11 @@ Compressors (:data:`COMPRESSORS`, :func:`make_compressor`):
 Error feedback: the part of ``buffer + error`` a device did not transmit is
 kept in its state and added to the next step's buffer, so nothing is lost,
 only delayed: after T steps, ``sum of reduced outputs + sum over devices of
-error_T == sum over steps and devices of buffer`` (up to rounding).
+error_T == sum over steps and devices of buffer`` (up to rounding). The error
+is in the units of the buffers a compressor is given: under fp16's dynamic
+loss scale :func:`trjax.exchange.compressed` gives a compressor with state the
+bucket divided by the loss scale (and multiplies the sum back), so the error
+stays a gradient, whatever the scale does from one step to the next.
 
 State layout for ``shard_map``: ``error`` is per device (``[n]`` float32,
 pass it with ``P(axis)`` over a global ``[N * n]`` array); PowerSGD's ``q`` is

@@ -95,10 +95,11 @@ class BatchMaker:
     """
 
     def __init__(self, split, order: np.ndarray, global_batch: int, rows: tuple[int, int], *,
-                 seed: int, epoch: int, augment: bool, image_size: int):
+                 seed: int, epoch: int, augment: bool, image_size: int, transform=None):
         self.split, self.order, self.global_batch = split, order, global_batch
         self.lo, self.hi = rows
         self.seed, self.epoch, self.augment, self.image_size = seed, epoch, augment, image_size
+        self.transform = transform
 
     def __call__(self, b: int) -> dict:
         b = int(b)
@@ -127,6 +128,11 @@ class BatchMaker:
                         raise
                     mask[k] = 0.0
                     skipped.append(e.path)
+        if self.transform is not None:
+            for k, i in enumerate(idx):
+                if mask[k] > 0:
+                    images[k] = augment.apply_transform(
+                        self.transform, images[k], augment.transform_rng(self.seed, self.epoch, i))
         index = np.full(size, -1, np.int64)
         index[:len(idx)] = idx
         return {"image": images, "label": labels, "mask": mask, "index": index,
@@ -144,6 +150,38 @@ class BatchMaker:
             paths = getattr(self.split, "paths", ())
             e.add_note(f"while reading example {i}" + (f": {paths[i]}" if i < len(paths) else ""))
             raise
+
+
+def check_transform(transform, split, image_shape: tuple, *, seed: int = 0,
+                    workers: int = 0) -> None:
+    """Checks a training ``transform`` once, before anything is compiled: run
+    on the split's first example (as the pipeline yields it, unaugmented) it
+    must return the same shape and dtype; with worker processes
+    (:func:`resolve_workers` > 0) it must pickle.
+
+    Raises:
+      TypeError: ``transform`` is not callable.
+      ValueError: another shape or dtype came back
+        (:func:`trjax.data.augment.apply_transform`), or it does not pickle
+        with ``workers`` > 0 (names the fix: a module-level function, or
+        ``data_workers=0``).
+    """
+    if not callable(transform):
+        raise TypeError(f"transform={transform!r} is not callable: pass "
+                        "transform(uint8 image [H, W, C], rng: np.random.Generator) -> image")
+    if resolve_workers(workers, split) > 0:
+        import pickle
+        try:
+            pickle.dumps(transform)
+        except Exception as e:  # noqa: BLE001 -- any pickling failure
+            raise ValueError(f"transform {transform!r} cannot be pickled for the data worker "
+                             f"processes ({type(e).__name__}: {e}): make it a module-level "
+                             "function (no lambda or closure), or set data_workers=0") from e
+    if not len(split.labels):
+        return
+    maker = BatchMaker(split, np.arange(1), 1, (0, 1), seed=seed, epoch=0, augment=False,
+                       image_size=image_shape[0] if image_shape else 224)
+    augment.apply_transform(transform, maker(0)["image"][0], augment.transform_rng(seed, 0, 0))
 
 
 def available_cores() -> int:
@@ -193,7 +231,7 @@ def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
                     epoch: int = 0, remainder: str = "pad", rows: tuple | None = None,
                     start: int = 0, augment: bool = False,
                     image_shape: tuple | None = None, workers: int = 0,
-                    skipped: set | None = None) -> Iterator[dict]:
+                    skipped: set | None = None, transform=None) -> Iterator[dict]:
     """The global batches ``start, start + 1, ...`` of one epoch, padded (mask 0) or dropped.
 
     Args:
@@ -214,6 +252,13 @@ def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
       workers: worker processes for on-demand sources (:func:`resolve_workers`).
       skipped: a set that receives the paths of undecodable files skipped
         (masked out) by sources with ``skip_bad_images``.
+      transform: a per-example augmentation ``transform(image [H, W, C], rng)
+        -> image [H, W, C]`` (same shape and dtype,
+        :func:`trjax.data.augment.apply_transform`), run on every real row after
+        ``augment``'s crops, with ``rng`` =
+        :func:`trjax.data.augment.transform_rng` ``(seed, epoch, index)``; in the
+        worker processes when there are workers (it must then be picklable: a
+        module-level function). The trainer passes it for training only.
 
     Yields:
       ``{"image": [hi - lo, H, W, C], "label": [hi - lo] int32, "mask": [hi - lo] float32,
@@ -232,7 +277,8 @@ def iterate_batches(split, global_batch: int, *, shuffle: bool, seed: int = 0,
     steps = steps_per_epoch(n, global_batch, remainder)
     order = epoch_order(n, shuffle=shuffle, seed=seed, epoch=epoch)
     maker = BatchMaker(split, order, global_batch, (lo, hi), seed=seed, epoch=epoch,
-                       augment=augment, image_size=image_shape[0] if image_shape else 224)
+                       augment=augment, image_size=image_shape[0] if image_shape else 224,
+                       transform=transform)
     num_workers = resolve_workers(workers, split)
     if start >= steps:
         return

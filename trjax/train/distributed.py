@@ -695,8 +695,8 @@ class StepWatchdog:
                                [f"no {self.what} finished for {idle:.0f} s"])
 
     def __enter__(self):
-        if _MONITOR is None and jax.process_count() > 1:
-            start_peer_monitor(stale_after_s(30), self.exit_code)  # jax.distributed started elsewhere
+        if _MONITOR is None and jax.process_count() > 1:  # jax.distributed started elsewhere
+            start_peer_monitor(stale_after_s(30), self.exit_code)
         if self.timeout_s > 0:
             self.last = time.monotonic()
             self._thread = threading.Thread(target=self._run, daemon=True, name="step-watchdog")

@@ -98,11 +98,8 @@ def main(argv):
         if jax.process_count() == 1:
             raise
         print(f"trjax: a collective failed on process {jax.process_index()}: "
-              f"{str(e).splitlines()[0][:300]}\ntrjax: a peer process has probably died; "
-              f"exiting with code {stops.EXIT_PEER_LOST}. The distributed runtime names the lost "
-              "process ('Task N heartbeat timeout') once its heartbeat times out "
-              f"({d.heartbeat_timeout_s} s).", file=sys.stderr, flush=True)
-        distributed.exit_peer_lost(stops.EXIT_PEER_LOST)
+              f"{str(e).splitlines()[0][:300]}", file=sys.stderr, flush=True)
+        distributed.exit_peer_lost(stops.EXIT_PEER_LOST)  # waits for the heartbeats, names the lost process
     if jax.process_index() == 0:
         print(f"val_top1={summary['val_top1']:.4f} val_top5={summary['val_top5']:.4f} "
               f"world_size={summary['world_size']} wall_s={summary['wall_s']:.1f} "
