@@ -71,12 +71,17 @@ class StepMetrics(NamedTuple):
                 "top5": float(self.top5) / count}
 
 
-def batch_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
+def batch_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array,
+                  losses: jax.Array | None = None) -> jax.Array:
     """Per-batch sums over real rows: ``[loss_sum, top1, top5, count]`` float32.
 
     Args:
       logits: ``[B, K]`` float32; labels: ``[B]`` int32 in ``[0, K)``;
       mask: ``[B]`` float32, 1 for real rows, 0 for padding.
+      losses: ``[B]`` float32 per-example losses to sum instead of the
+        softmax cross-entropy on ``labels`` (the train step's label smoothing,
+        mixup / cutmix or user ``loss_fn``, :func:`trjax.steps.example_losses`);
+        top-1/top-5 are still on ``labels``.
 
     Top-k rule (k = 1 and k = min(5, K)): a row is correct when fewer than k
     OTHER classes have a logit greater than OR EQUAL to the true class's logit,
@@ -93,7 +98,8 @@ def batch_metrics(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.
     """
     k = logits.shape[1]
     real = mask > 0
-    losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    if losses is None:
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
     true_logit = jnp.take_along_axis(logits, labels[:, None], axis=1)
     others = jnp.arange(k)[None, :] != labels[:, None]
     rank = jnp.sum((logits >= true_logit) & others, axis=1)

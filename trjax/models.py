@@ -115,6 +115,11 @@ class ResNet(nn.Module):
       conv_lowering: ``"xla"``, ``"im2col"`` (strided convolutions and windows
         larger than their input as im2col + matmul, :mod:`trjax.cpu.im2col`) or
         ``"auto"`` (im2col on CPU, :func:`trjax.cpu.im2col.resolve_conv_lowering`).
+      zero_init_residual: the last BatchNorm of every residual block (not the
+        projection's) starts with scale 0, so each block starts as its shortcut
+        (Goyal et al. 2017; the Flax ImageNet example's ``scale_init=zeros``).
+        Applied by :meth:`Network.init` (:func:`zero_init_residual_scales`);
+        ``False`` leaves the parameters bitwise as without it.
 
     The input is used as it comes (the steps standardise it, :func:`normalize`);
     the convolutions cast it to ``dtype``.
@@ -131,6 +136,7 @@ class ResNet(nn.Module):
     bn_momentum: float = 0.9
     dtype: Any = jnp.float32
     conv_lowering: str = "auto"
+    zero_init_residual: bool = False
 
     @nn.compact
     def __call__(self, x, train: bool = True, mask=None):
@@ -154,6 +160,25 @@ class ResNet(nn.Module):
         x = jnp.mean(x, axis=(1, 2))
         x = nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
         return x.astype(jnp.float32)
+
+
+def zero_init_residual_scales(module, params: dict) -> dict:
+    """``params`` of a :class:`ResNet` with the scale of each residual block's
+    last BatchNorm (``BatchNorm_1`` of a :class:`BasicBlock`, ``BatchNorm_2`` of
+    a :class:`Bottleneck`) set to zeros when ``module.zero_init_residual``; as
+    it came otherwise (any other module too). BatchNorm's scale initialiser is
+    the constant one and draws no randomness, so this equals initialising those
+    scales with zeros."""
+    if not (isinstance(module, ResNet) and module.zero_init_residual):
+        return params
+    last = "BatchNorm_2" if module.block is Bottleneck else "BatchNorm_1"
+    out = dict(params)
+    for name, block in params.items():
+        if name.startswith("stage") and last in block:
+            block = dict(block)
+            block[last] = {**block[last], "scale": jnp.zeros_like(block[last]["scale"])}
+            out[name] = block
+    return out
 
 
 _IMAGENET_WIDTHS = (64, 128, 256, 512)
@@ -341,7 +366,7 @@ class Network:
             raise ValueError(f"the model's init makes the collection(s) {other}: trjax trains "
                              "'params' and keeps BatchNorm's 'batch_stats'; make other values "
                              "constants (or sow them only when that collection is mutable)")
-        return {"params": variables.get("params", {}),
+        return {"params": zero_init_residual_scales(self.module, variables.get("params", {})),
                 "batch_stats": variables.get("batch_stats", {})}
 
     def apply_train(self, params, batch_stats, x, ctx: BatchNormContext, rng=None):

@@ -48,6 +48,8 @@ def get_config() -> ml_collections.ConfigDict:
     #                                (--config.model_kwargs="{'width': 32}")
     c.bn_mode = "running"          # "running" (seed), "sync" (SyncBatchNorm), "local"
     c.bn_momentum = 0.9
+    c.zero_init_residual = False   # built-in ResNets: each residual block's last BatchNorm
+    #                                scale starts at 0 (Goyal et al. 2017; flax's ImageNet example)
     # communication
     c.buckets = "two"              # "two" (seed), "tail_minimal", "size:<MB>", "per_leaf"
     c.allreduce = "xla"            # "xla" (psum -> NCCL), "ring", "halving_doubling", "tree",
@@ -79,6 +81,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.ema_decay = 0.0              # >0: also keep ema = d*ema + (1-d)*params after each update
     #                                (in the train state, checkpointed) and evaluate it too
     #                                (val_ema_*); 0: off
+    c.label_smoothing = 0.0        # >0: train on (1-e)*onehot + e/K (optax.smooth_labels);
+    #                                the evaluation loss stays the plain cross-entropy; 0: off
+    c.mixup_alpha = 0.0            # >0: mixup (Zhang et al. 2018), lam ~ Beta(a, a) per
+    #                                micro-batch, real rows with real rows only; 0: off
+    c.cutmix_alpha = 0.0           # >0: cutmix (Yun et al. 2019); both >0: one of the two per
+    #                                micro-batch, probability 1/2 each; 0: off
     c.num_epochs = 15
     # run
     c.seed = 0
@@ -113,6 +121,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.distributed.process_id = 0
     c.distributed.auto = True              # start the run srun / mpirun / JAX_COORDINATOR_ADDRESS
     #                                        describe (trjax.train.distributed.detect_launch)
-    c.distributed.heartbeat_timeout_s = 30  # a dead peer makes the survivors exit after ~this
+    c.distributed.heartbeat_timeout_s = 30  # jax's peer timeout; trjax names a dead or stalled
+    #                                        peer and exits (code 3) after ~0.3 of this
     c.step_timeout_s = 600.0               # watchdog: exit non-zero if no step finishes this long
     return c

@@ -33,6 +33,34 @@ def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.default_rng((int(seed), int(epoch), int(index)))
 
 
+def transform_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+    """``np.random.default_rng((seed, epoch, index, 1))``: the stream a user
+    ``transform`` gets for one example in one epoch (apart from
+    :func:`example_rng`'s, which the built-in crops and flips draw from)."""
+    return np.random.default_rng((int(seed), int(epoch), int(index), 1))
+
+
+def apply_transform(transform, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``transform(image, rng)``, checked: the same shape and dtype must come back.
+
+    Args:
+      transform: ``(uint8 image [H, W, C], numpy Generator) -> uint8 image [H, W, C]``.
+      image: one example ``[H, W, C]``.
+      rng: its stream (:func:`transform_rng`).
+
+    Raises:
+      ValueError: another shape or dtype came back (the message names both
+        and the fix).
+    """
+    out = np.asarray(transform(image, rng))
+    if out.shape != image.shape or out.dtype != image.dtype:
+        raise ValueError(f"transform returned an image of shape {out.shape} dtype {out.dtype} "
+                         f"for one of shape {image.shape} dtype {image.dtype}; a transform "
+                         "must return the same shape and dtype (crop or resize back to the "
+                         "input size, and cast, e.g. np.clip(x, 0, 255).astype(np.uint8))")
+    return out
+
+
 def crop_flip(images: np.ndarray, rngs: Sequence[np.random.Generator], pad: int = 4,
               flip: bool = True) -> np.ndarray:
     """Random crop with zero padding, then random horizontal flip, one stream per image.

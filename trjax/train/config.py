@@ -87,6 +87,7 @@ KEYS = {
     "model_kwargs": Key("dict"),  # resume: config.json compares it (JSON; no checkpoint meta)
     "bn_mode": Key("choice", BN_MODES, **_MATCH),
     "bn_momentum": Key("float", (0.0, True, 1.0, False)),
+    "zero_init_residual": Key("bool"),  # built-in ResNets: each block's last BN scale = 0
     # communication
     "buckets": Key("str", **_MATCH),  # checked in validate: BUCKET_POLICIES or size:<MB>
     "allreduce": Key("choice", ALLREDUCE_CHOICES),
@@ -114,6 +115,9 @@ KEYS = {
     "grad_clip_norm": Key("float", (0.0, True, INF, False), hint=" (0: off)"),
     "ema_decay": Key("float", (0.0, True, 1.0, False), **_MATCH,  # the state holds the EMA
                      hint=" (0: off)"),
+    "label_smoothing": Key("float", (0.0, True, 1.0, False), hint=" (0: off)"),
+    "mixup_alpha": Key("float", (0.0, True, INF, False), hint=" (0: off)"),
+    "cutmix_alpha": Key("float", (0.0, True, INF, False), hint=" (0: off)"),
     "num_epochs": Key("int", 1, **_WHERE),  # the schedule's length: recomputed on resume
     # run
     "seed": Key("int", 0, **_MATCH),

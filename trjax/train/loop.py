@@ -72,7 +72,8 @@ def _finishing(ckpt, seconds: list):
 
 @holds_workdir  # one live run per workdir (process 0 holds WORKDIR/trjax.lock)
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
-                       data: input_pipeline.Dataset | None = None, model=None, tx=None):
+                       data: input_pipeline.Dataset | None = None, model=None, tx=None,
+                       loss_fn=None, transform=None):
     """Trains and evaluates, checkpointing under ``workdir/checkpoints``.
 
     Resumes by default from the newest readable checkpoint in ``workdir``
@@ -86,6 +87,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         (see :func:`trjax.train.trainer.prepare`).
       tx: optional optax optimizer instead of the config's (see
         :func:`trjax.train.trainer.prepare`); pass the same one on resume.
+      loss_fn: optional per-example training loss ``(logits [B, K], labels [B])
+        -> [B]`` (see :func:`trjax.train.trainer.prepare`).
+      transform: optional per-example training augmentation ``(uint8 image
+        [H, W, C], rng) -> uint8 image`` (see :func:`trjax.train.trainer.prepare`).
 
     Returns:
       ``(state, summary)``: the final :class:`trjax.state.TrainState` and the
@@ -107,7 +112,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       trjax.train.workdir.WorkdirBusy: another live run writes into ``workdir``.
     """
     t_start = time.perf_counter()
-    prepared = prepare(config, data, model, tx)
+    prepared = prepare(config, data, model, tx, loss_fn=loss_fn, transform=transform)
     seconds = {"prepare": time.perf_counter() - t_start}  # where the wall time goes
     cache = compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
     with compilation.CompileLog("startup") as compiles:  # every executable built, by phase
@@ -342,7 +347,8 @@ class Run:
             tr.data.train, world.global_batch_size, shuffle=True, seed=config.seed, epoch=epoch,
             remainder=config.train_remainder, rows=world.process_rows(), start=first,
             augment=config.augment, image_shape=tr.data.image_shape,
-            workers=config.data_workers, skipped=self.skipped), depth=config.prefetch)
+            workers=config.data_workers, skipped=self.skipped, transform=tr.transform),
+            depth=config.prefetch)
         show_bar = self.lead and config.progress and sys.stderr.isatty()
         with _progress(tr.steps_per_epoch - first, epoch, show_bar) as bar:
             for b, batch in enumerate(batches, start=first + 1):

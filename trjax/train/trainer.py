@@ -39,7 +39,9 @@ class Trainer:
     :func:`prepare` (nothing traced or placed on devices yet). ``full_batches``:
     no training batch holds a padding row
     (:func:`trjax.data.input_pipeline.train_batches_full`), so the train step is
-    compiled without BatchNorm's padding mask; the loop refuses a batch with one."""
+    compiled without BatchNorm's padding mask; the loop refuses a batch with one.
+    ``loss_fn``, ``transform``: the user's training loss and per-example
+    augmentation (:func:`prepare`), or ``None``."""
     config: Any
     world: Any
     data: Any
@@ -50,6 +52,8 @@ class Trainer:
     steps_per_epoch: int
     dtype: Any
     full_batches: bool = False
+    loss_fn: Any = None
+    transform: Any = None
     state: Any = None
     train_step: aot.CompiledStep | None = None
     fold_bn: aot.CompiledStep | None = None
@@ -62,7 +66,8 @@ class Trainer:
 
 
 def prepare(config: ml_collections.ConfigDict,
-            data: input_pipeline.Dataset | None = None, model=None, tx=None) -> Trainer:
+            data: input_pipeline.Dataset | None = None, model=None, tx=None,
+            loss_fn=None, transform=None) -> Trainer:
     """Config -> world -> data -> model, plan, schedule and gradient exchange.
 
     Every check on the config, the device spec and the batch split runs
@@ -86,12 +91,30 @@ def prepare(config: ml_collections.ConfigDict,
         after the gradient exchange to the exact global mean gradient
         (:func:`trjax.exchange.from_config` says how it composes with
         ``grad_clip_norm``, ``ema_decay``, compression and ZeRO-1).
+      loss_fn: a per-example training loss ``loss_fn(logits [B, K] float32,
+        labels [B] int32) -> [B] float32`` instead of the softmax
+        cross-entropy; trjax sums it over the real rows (padding rows by
+        select). Checked here (:func:`trjax.steps.check_loss_fn`). With
+        ``mixup_alpha`` / ``cutmix_alpha`` it is ``lam loss(labels) + (1 - lam)
+        loss(partner labels)``; ``label_smoothing`` applies only to the
+        built-in loss. The evaluation loss stays the plain cross-entropy.
+      transform: a per-example training augmentation ``transform(uint8 image
+        [H, W, C], rng: np.random.Generator) -> uint8 image [H, W, C]``, run in
+        the input pipeline after ``config.augment``'s crops (in the worker
+        processes when there are any: then a picklable, module-level function),
+        with ``rng`` keyed by (seed, epoch, example index); never on
+        validation. Checked here on one example
+        (:func:`trjax.data.input_pipeline.check_transform`).
 
     Raises:
       ValueError: an invalid config, device spec or batch split; a model whose
-        output is not ``[B, num_classes]`` float logits.
-      TypeError: a ``model`` that is neither a linen nor an nnx module, or a
-        ``tx`` that is not an optax ``GradientTransformation``.
+        output is not ``[B, num_classes]`` float logits; a ``loss_fn`` that
+        does not return ``[B]`` float losses (or combined with
+        ``label_smoothing``); a ``transform`` that changes the image's shape
+        or dtype, or does not pickle for worker processes.
+      TypeError: a ``model`` that is neither a linen nor an nnx module, a
+        ``tx`` that is not an optax ``GradientTransformation``, or a
+        ``loss_fn`` / ``transform`` that is not callable.
     """
     config_lib.validate(config)
     world = make_world(config.devices, config.global_batch_size)
@@ -111,7 +134,9 @@ def prepare(config: ml_collections.ConfigDict,
         model = config_lib.resolve_model(config, data.num_classes, bn_mode=config.bn_mode,
                                          axis_name=world.axis_name,
                                          bn_momentum=config.bn_momentum, dtype=dtype,
-                                         conv_lowering=lowering)
+                                         conv_lowering=lowering,
+                                         **({"zero_init_residual": True}
+                                            if builtin and config.zero_init_residual else {}))
     model = models.wrap(model, image_shape=data.image_shape, num_classes=data.num_classes,
                         mean=data.mean, std=data.std, dtype=dtype, seed=config.seed,
                         check=not builtin)
@@ -122,7 +147,17 @@ def prepare(config: ml_collections.ConfigDict,
     exchange = exchange_lib.from_config(config, plan, schedule, world, tx=tx)
     full = input_pipeline.train_batches_full(data.train, world.global_batch_size,
                                              config.train_remainder)
-    return Trainer(config, world, data, model, plan, schedule, exchange, train_steps, dtype, full)
+    if loss_fn is not None:
+        if config.label_smoothing:
+            raise ValueError(f"config.label_smoothing={config.label_smoothing} applies to trjax's "
+                             "cross-entropy, not to your loss_fn: smooth inside loss_fn, or "
+                             "set label_smoothing=0")
+        steps.check_loss_fn(loss_fn, data.num_classes)
+    if transform is not None:
+        input_pipeline.check_transform(transform, data.train, data.image_shape, seed=config.seed,
+                                       workers=config.data_workers)
+    return Trainer(config, world, data, model, plan, schedule, exchange, train_steps, dtype, full,
+                   loss_fn=loss_fn, transform=transform)
 
 
 def data_identity(split) -> dict:
@@ -170,7 +205,8 @@ def checkpoint_keys(tr: Trainer) -> dict:
 
 def setup(config: ml_collections.ConfigDict,
           data: input_pipeline.Dataset | None = None,
-          prepared: Trainer | None = None, model=None, tx=None) -> Trainer:
+          prepared: Trainer | None = None, model=None, tx=None, loss_fn=None,
+          transform=None) -> Trainer:
     """:func:`prepare`, then the train state and the compiled steps.
 
     The four steps are compiled here, once, with the train state donated;
@@ -183,13 +219,16 @@ def setup(config: ml_collections.ConfigDict,
       prepared: the output of :func:`prepare` for this config, if already built.
       model: your own flax model (see :func:`prepare`).
       tx: your own optax optimizer (see :func:`prepare`).
+      loss_fn, transform: your own training loss and augmentation (see
+        :func:`prepare`); with ``prepared``, its own are used.
 
     Raises:
       ValueError: an invalid config, device spec or batch split, or a model
         with the wrong output (before anything is compiled).
       TypeError: a ``model`` that is neither a linen nor an nnx module.
     """
-    tr = prepared if prepared is not None else prepare(config, data, model, tx)
+    tr = prepared if prepared is not None else prepare(config, data, model, tx, loss_fn,
+                                                       transform)
     world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
     fp16 = config.precision == "fp16"
     init = train_state_program(config.seed, model, tr.exchange, world, data.image_shape,
@@ -213,7 +252,9 @@ def setup(config: ml_collections.ConfigDict,
                 model, tr.exchange, plan, world, config.bn_mode, dynamic_loss_scale=fp16,
                 growth_interval=config.loss_scale_growth_interval,
                 grad_accumulation_steps=config.grad_accumulation_steps,
-                padding=not tr.full_batches),
+                padding=not tr.full_batches, loss_fn=tr.loss_fn,
+                label_smoothing=config.label_smoothing, mixup_alpha=config.mixup_alpha,
+                cutmix_alpha=config.cutmix_alpha),
             init.abstract, example(world.global_batch_size), donate_argnums=0)
         fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode, model),
                                    init.abstract)
