@@ -2,7 +2,7 @@
 
 Run:    trjax-train --config default --workdir runs/default
         (from a clone: python scripts/train.py --config configs/default.py --workdir ...)
-Reaches: val_top1 0.98-0.99 on the 360 held-out digits (seeds 0-2: 0.978, 0.994, 0.983;
+Reaches: val_top1 0.978-0.994 on the 360 held-out digits (seeds 0-2: 0.978, 0.994, 0.983;
         world size 8 simulated CPU
         devices; on a GPU host: all GPUs). Times: docs/performance.md.
 """
