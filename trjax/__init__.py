@@ -18,6 +18,9 @@ order data flows (each imports only modules above it):
   TrainState and its one-program initialisation.
 * ``steps`` -- the per-device train/eval steps inside ``shard_map``; ``aot`` --
   compiled once ahead of time with fixed shapes and donation.
+* ``pipeline`` -- GPipe over a ``data,stage`` mesh (``world.make_world(mesh=...)``):
+  a ResNet's residual blocks as contiguous stages, one SPMD tick loop (issue 31;
+  library code, not yet in the config or the loop).
 * ``comm`` (the compiled HLO's collectives) -> ``report`` (the comm report).
 
 The machinery lives in sub-packages: ``trjax.data`` (sources, augmentation,

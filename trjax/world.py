@@ -22,6 +22,13 @@ DATA_AXIS = "data"
 """The default name of the mesh's data axis (:func:`make_world`); code inside
 trjax reads the name from ``World.axis_name``."""
 
+MESH_AXES = ("data", "stage", "model")
+"""The axis names a multi-axis mesh (:func:`parse_mesh`) may use, in the order
+they must appear: ``data`` (outermost: the batch split and the gradient
+all-reduce), ``stage`` (pipeline stages, :mod:`trjax.pipeline`), ``model``
+(tensor parallelism, not yet implemented: reserved). Devices are laid out
+row-major, so the last axis lands on adjacent devices (Megatron's order)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class World:
@@ -30,10 +37,13 @@ class World:
     Attributes:
       devices: the selected devices, in rank order (rank r = ``devices[r]``).
       mesh: a 1-D mesh over ``devices``; its one axis, the data axis, is
-        ``axis_name`` (``"data"`` by default).
+        ``axis_name`` (``"data"`` by default). A multi-axis world
+        (``make_world(mesh="data:2,stage:4")``) has ``data`` first (outermost)
+        and the devices laid out row-major over ``axes``.
       global_batch_size: examples per optimizer step over all devices.
       local_batch_size: examples per step on one device
-        (``global_batch_size // world_size``).
+        (``global_batch_size // data_size``; ``data_size == world_size`` on a
+        1-D world).
     """
 
     devices: tuple
@@ -44,6 +54,18 @@ class World:
     @property
     def world_size(self) -> int:
         return len(self.devices)
+
+    @property
+    def axes(self) -> tuple[tuple[str, int], ...]:
+        """The mesh's axes as ``((name, size), ...)``, outermost first
+        (``(("data", N),)`` for a 1-D world)."""
+        return tuple((n, int(self.mesh.shape[n])) for n in self.mesh.axis_names)
+
+    @property
+    def data_size(self) -> int:
+        """The size of the data axis: the number of batch shards
+        (``global_batch_size // local_batch_size``); ``world_size`` on a 1-D world."""
+        return int(self.mesh.shape[self.axis_name])
 
     @property
     def axis_name(self) -> str:
@@ -57,6 +79,8 @@ class World:
         Rank r holds rows ``[r * local, (r + 1) * local)`` with ``local =
         global_batch // world_size`` (default: the training global batch); a
         process feeds the rows of its own devices, which must be contiguous ranks.
+        On a multi-axis world the rows follow the data rank (device ``r`` is data
+        rank ``r // (world_size // data_size)``; ``local = global_batch // data_size``).
 
         Raises:
           ValueError: this process's devices are not contiguous in rank order.
@@ -67,8 +91,9 @@ class World:
         if mine != list(range(mine[0], mine[-1] + 1)):
             raise ValueError(f"process {jax.process_index()} owns ranks {mine}, which are not "
                              "contiguous; list the devices process by process")
-        local = (global_batch or self.global_batch_size) // self.world_size
-        return mine[0] * local, (mine[-1] + 1) * local
+        per_rank = self.world_size // self.data_size  # devices per data rank (1 on a 1-D world)
+        local = (global_batch or self.global_batch_size) // self.data_size
+        return mine[0] // per_rank * local, (mine[-1] // per_rank + 1) * local
 
     def put(self, x, sharding: NamedSharding | None = None) -> jax.Array:
         """A host array, identical on every process, as a global array.
@@ -182,27 +207,109 @@ def check_batch_split(global_batch_size: int, world_size: int,
     return g // n
 
 
+def parse_mesh(spec) -> tuple[tuple[str, int], ...]:
+    """Parses a mesh spec ``"data:2,stage:4"`` into ``(("data", 2), ("stage", 4))``.
+
+    Args:
+      spec: a string of comma-separated ``name:size`` items, or an already
+        parsed sequence of ``(name, size)`` pairs (checked the same way).
+
+    Returns:
+      ``((name, size), ...)`` in the given order (outermost axis first).
+
+    Raises:
+      ValueError: a malformed item, a size that is not a positive int, a name
+        not in :data:`MESH_AXES`, a repeated name, no ``data`` axis or ``data``
+        not first, or axes out of the order ``data, stage, model``. The message
+        names the spec and gives a valid example.
+    """
+    example = 'e.g. "data:2,stage:4"'
+    if isinstance(spec, str):
+        items = []
+        for item in spec.split(","):
+            m = re.fullmatch(r"\s*([A-Za-z_]\w*)\s*:\s*(\d+)\s*", item)
+            if not m:
+                raise ValueError(f"mesh {spec!r}: item {item.strip()!r} is not 'name:size'; "
+                                 f"write {example}")
+            items.append((m.group(1), int(m.group(2))))
+    else:
+        try:
+            items = [(n, s) for n, s in spec]
+        except (TypeError, ValueError):
+            raise ValueError(f"mesh {spec!r} must be a string like \"data:2,stage:4\" or "
+                             "pairs (name, size)") from None
+    for name, size in items:
+        if name not in MESH_AXES:
+            raise ValueError(f"mesh {spec!r}: axis {name!r} is unknown; the axes are "
+                             f"{', '.join(MESH_AXES)} ({example})")
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 1:
+            raise ValueError(f"mesh {spec!r}: axis {name!r} has size {size!r}; sizes are "
+                             f"positive ints ({example})")
+    names = [n for n, _ in items]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise ValueError(f"mesh {spec!r} names axis {dup} more than once ({example})")
+    if not names or names[0] != DATA_AXIS:
+        raise ValueError(f"mesh {spec!r}: the first (outermost) axis must be 'data' "
+                         f"(write 'data:1' for none), {example}")
+    if names != sorted(names, key=MESH_AXES.index):
+        want = ",".join(f"{n}:{s}" for n, s in sorted(items, key=lambda i: MESH_AXES.index(i[0])))
+        raise ValueError(f"mesh {spec!r}: axes must come in the order {', '.join(MESH_AXES)}; "
+                         f"write {want!r}")
+    return tuple((n, int(s)) for n, s in items)
+
+
 def make_world(device_spec: str | int = "all", global_batch_size: int = 1,
                devices: Sequence[jax.Device] | None = None,
-               axis_name: str = DATA_AXIS) -> World:
-    """Selects devices, checks the batch split and builds the data mesh.
+               axis_name: str = DATA_AXIS, mesh=None) -> World:
+    """Selects devices, checks the batch split and builds the mesh.
 
     Args:
       device_spec: see :func:`parse_device_spec`.
       global_batch_size: examples per step over all selected devices.
       devices: the pool to select from (default ``jax.devices()``).
-      axis_name: the name of the mesh's data axis.
+      axis_name: the name of the mesh's data axis (1-D worlds only).
+      mesh: ``None`` (a 1-D mesh, the data axis over every selected device) or
+        a spec for :func:`parse_mesh`, e.g. ``"data:2,stage:4"``: the selected
+        devices, in rank order, reshaped row-major to the axis sizes (``data``
+        outermost) as a plain :class:`jax.sharding.Mesh` (Auto axis types,
+        not ``jax.make_mesh``, whose Explicit default turns ``shard_map``'s
+        in_specs into assertions). The global batch splits over ``data`` only:
+        ``local_batch_size = global_batch_size // data_size``; the other axes
+        hold replicas of that local batch.
 
     Returns:
       A :class:`World`.
 
     Raises:
-      ValueError: from :func:`parse_device_spec` or :func:`check_batch_split`.
+      ValueError: from :func:`parse_device_spec`, :func:`check_batch_split`
+        (over the data axis) or :func:`parse_mesh`; a mesh whose size product
+        differs from the number of selected devices; ``mesh`` with a custom
+        ``axis_name``. Every check runs before anything is traced.
     """
     pool = list(jax.devices() if devices is None else devices)
     ids = parse_device_spec(device_spec, len(pool))
-    local = check_batch_split(global_batch_size, len(ids))
     chosen = tuple(pool[i] for i in ids)
+    if mesh is not None:
+        axes = parse_mesh(mesh)
+        if axis_name != DATA_AXIS:
+            raise ValueError(f"mesh {mesh!r} names its data axis 'data'; axis_name "
+                             f"{axis_name!r} applies to 1-D worlds only")
+        sizes = [s for _, s in axes]
+        total = int(np.prod(sizes))
+        if total != len(ids):
+            raise ValueError(f"mesh {mesh!r} has {' x '.join(map(str, sizes))} = {total} devices "
+                             f"but device spec {device_spec!r} selects {len(ids)}; make the "
+                             "product of the axis sizes equal the number of devices")
+        try:
+            local = check_batch_split(global_batch_size, sizes[0])
+        except ValueError as e:
+            raise ValueError(f"mesh {mesh!r}: the global batch splits over the data axis only "
+                             f"(size {sizes[0]}): {e}") from None
+        world_mesh = Mesh(np.array(chosen, dtype=object).reshape(sizes), tuple(n for n, _ in axes))
+        return World(devices=chosen, mesh=world_mesh, global_batch_size=int(global_batch_size),
+                     local_batch_size=local)
+    local = check_batch_split(global_batch_size, len(ids))
     mesh = Mesh(np.array(chosen, dtype=object), (axis_name,))
     return World(devices=chosen, mesh=mesh, global_batch_size=int(global_batch_size),
                  local_batch_size=local)

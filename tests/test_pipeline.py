@@ -1,0 +1,342 @@
+"""Issue 31, first piece: the 2-D ("data", "stage") world and GPipe over a ResNet's blocks
+(trjax.world.parse_mesh / make_world(mesh=...), trjax.pipeline).
+
+The oracle is the existing data-parallel step: trjax.steps.forward_backward with
+grad_accumulation_steps = M on the same D data devices groups the rows exactly as the
+pipeline's micro-batches (rows [j mu, (j+1) mu) of each data rank's local batch), and
+normalises each micro-batch with its own BatchNorm statistics, as the pipeline does
+(running mode). The two programs sum in different orders (the pipelined backward
+accumulates the parameter cotangents over ticks in reverse, XLA fuses the stages
+differently), so values are compared within helpers.reorder_rounding_bound and counts
+bitwise."""
+import functools
+
+import jax
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+from helpers import assert_within_reorder_rounding
+from trjax import models, pipeline, steps
+from trjax.comm import collectives_in_hlo
+from trjax.world import make_world, parse_mesh
+
+D = 2
+IMAGE = (8, 8, 3)
+SPEC = {"image": P("data"), "label": P("data"), "mask": P("data")}
+
+
+# -- (a) the 2-D world -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,want", [
+    ("data:2,stage:4", (("data", 2), ("stage", 4))),
+    (" data : 8 ", (("data", 8),)),
+    ("data:1,stage:2,model:2", (("data", 1), ("stage", 2), ("model", 2))),
+    ("data:2,model:4", (("data", 2), ("model", 4))),
+    ((("data", 2), ("stage", 2)), (("data", 2), ("stage", 2))),
+])
+def test_parse_mesh(spec, want):
+    assert parse_mesh(spec) == want
+
+
+@pytest.mark.parametrize("spec,needle", [
+    ("data:2,pipe:4", "axis 'pipe' is unknown; the axes are data, stage, model"),
+    ("stage:4,data:2", "the first (outermost) axis must be 'data'"),
+    ("stage:4", "the first (outermost) axis must be 'data'"),
+    ("data:2,model:2,stage:2", "axes must come in the order data, stage, model; write "
+                               "'data:2,stage:2,model:2'"),
+    ("data:2,data:2", "names axis ['data'] more than once"),
+    ("data:2,stage:0", "axis 'stage' has size 0"),
+    ("data:2,stage", "item 'stage' is not 'name:size'"),
+    ("data=2", "item 'data=2' is not 'name:size'"),
+    ((("data", 2.0),), "axis 'data' has size 2.0"),
+    (5, "must be a string like"),
+])
+def test_parse_mesh_errors(spec, needle):
+    with pytest.raises(ValueError) as e:
+        parse_mesh(spec)
+    assert needle in str(e.value) and repr(spec) in str(e.value)
+
+
+def test_make_world_2d():
+    w = make_world("0-7", 16, mesh="data:2,stage:4")
+    assert w.mesh.axis_names == ("data", "stage") and w.mesh.devices.shape == (2, 4)
+    assert [[d.id for d in row] for row in w.mesh.devices] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert all(t == AxisType.Auto for t in w.mesh.axis_types)  # plain Mesh, not make_mesh
+    assert w.axis_name == "data" and w.axes == (("data", 2), ("stage", 4))
+    assert w.data_size == 2 and w.world_size == 8 and w.local_batch_size == 8
+    assert w.process_rows() == (0, 16)  # one process feeds every data rank
+    assert w.sharded().spec == P("data")
+    # the 1-D world is unchanged, and "data:N" is the same mesh
+    one, same = make_world("0-3", 8), make_world("0-3", 8, mesh="data:4")
+    assert one.axes == same.axes == (("data", 4),) and one.data_size == 4
+    assert one.local_batch_size == same.local_batch_size == 2
+    assert one.mesh.devices.tolist() == same.mesh.devices.tolist()
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(device_spec="0-5", global_batch_size=8, mesh="data:2,stage:4"),
+     "has 2 x 4 = 8 devices but device spec '0-5' selects 6"),
+    (dict(device_spec="all", global_batch_size=1, mesh="data:2,stage:4"),
+     "the global batch splits over the data axis only (size 2): global_batch_size 1 is "
+     "smaller than world_size 2"),
+    (dict(device_spec="all", global_batch_size=9, mesh="data:2,stage:4"),
+     "global_batch_size 9 is not divisible by world_size 2"),
+    (dict(device_spec="all", global_batch_size=8, mesh="data:2,layer:4"), "unknown"),
+    (dict(device_spec="all", global_batch_size=8, mesh="stage:4,data:2"), "must be 'data'"),
+    (dict(device_spec="all", global_batch_size=8, mesh="data:8", axis_name="batch"),
+     "applies to 1-D worlds only"),
+])
+def test_make_world_2d_errors(kwargs, needle):
+    with pytest.raises(ValueError) as e:
+        make_world(**kwargs)
+    assert needle in str(e.value)
+
+
+def test_global_batch_of_data_size_is_enough():
+    """The batch splits over data only: 2 rows on data:2,stage:4 (8 devices) is valid."""
+    assert make_world("all", 2, mesh="data:2,stage:4").local_batch_size == 1
+
+
+# -- stage split -------------------------------------------------------------------------------
+
+
+def test_balanced_split():
+    assert pipeline.balanced_split([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+    assert pipeline.balanced_split([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
+    assert pipeline.balanced_split([3, 1, 1, 1], 1) == [(0, 4)]
+    with pytest.raises(ValueError, match="cannot split 3 residual blocks into 4 stages"):
+        pipeline.balanced_split([1, 1, 1], 4)
+
+
+def test_plan_stages_resnet20_and_resnet50():
+    """ResNet-20 on 32x32: 3 stages = its 3 ResNet stages (the notes' 1.1/34.7/32.1/32.1 %:
+    stem + stage 1 = 35.8 %); ResNet-50 at 224 in 4 stages is balanced by blocks, not by
+    ResNet stage (max/mean 1.13 against the 4-ResNet-stage split's 1.43)."""
+    plan = pipeline.plan_stages(models.create_model("resnet20"), (32, 32, 3), 3)
+    assert plan.bounds == ((0, 3), (3, 6), (6, 9))
+    np.testing.assert_allclose(plan.shares, [0.358, 0.321, 0.321], atol=2e-3)
+    assert plan.names(0)[:3] == ["stem_conv", "stem_bn", "stage1_block1"]
+    assert plan.names(2)[-1] == "head"
+    r50 = models.create_model("resnet50")
+    balanced = pipeline.plan_stages(r50, (224, 224, 3), 4)
+    by_stage = pipeline.plan_stages(r50, (224, 224, 3), 4,
+                                    starts=["stage2_block1", "stage3_block1", "stage4_block1"])
+    # the notes' RN50 shares (stem+s1, s2, s3, s4+head) and its 4.09 GMACs per image
+    np.testing.assert_allclose(by_stage.shares, [0.192, 0.251, 0.358, 0.198], atol=1e-3)
+    assert abs(sum(by_stage.macs) / 4.09e9 - 1) < 1e-3
+    assert balanced.imbalance < 1.14 < 1.4 < by_stage.imbalance
+    assert abs(sum(balanced.shares) - 1) < 1e-12
+    with pytest.raises(ValueError, match="need 1 stage starts"):
+        pipeline.plan_stages(models.create_model("resnet8"), IMAGE, 2, starts=[])
+    with pytest.raises(ValueError, match="not blocks after the first"):
+        pipeline.plan_stages(models.create_model("resnet8"), IMAGE, 2, starts=["stage1_block1"])
+    with pytest.raises(ValueError, match="in call order"):
+        pipeline.plan_stages(models.create_model("resnet8"), IMAGE, 3,
+                             starts=["stage3_block1", "stage2_block1"])
+
+
+# -- (b)-(d) the pipelined forward + backward --------------------------------------------------
+
+
+def _setup(M, bn_mode="running"):
+    module = models.create_model("resnet8", widths=(4, 8, 8), stem_width=4, bn_mode=bn_mode,
+                                 axis_name="data")
+    net = models.as_network(module)
+    v = net.init(jax.random.key(0), IMAGE)
+    # running means away from 0: the BN sums are shifted by them
+    bs = jax.tree_util.tree_map(lambda x: x + 0.25, v["batch_stats"])
+    L = 2 * M  # local batch per data rank, micro-batches of 2 rows
+    rng = np.random.default_rng(M)
+    batch = {"image": rng.integers(0, 256, (D * L,) + IMAGE, dtype=np.uint8),
+             "label": rng.integers(0, 10, (D * L,), dtype=np.int32),
+             "mask": np.ones((D * L,), np.float32)}
+    batch["mask"][[1, L + 1, L + 2]] = 0  # padding rows, one micro-batch with only padding
+    batch["image"][1] = 255
+    return module, net, v["params"], bs, batch, L
+
+
+def _lead(tree):
+    return jax.tree_util.tree_map(lambda a: a[None], tree)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(M, bn_mode="running"):
+    module, net, params, bs, batch, _ = _setup(M, bn_mode)
+    mesh = Mesh(np.array(jax.devices()[:D]), ("data",))
+
+    def local(p, b):
+        g, s, bn, _ = steps.forward_backward(net, lax.pcast(p, "data", to="varying"), bs, b,
+                                             grad_accumulation_steps=M, bn_mode=bn_mode,
+                                             axis_name="data")
+        return _lead((g, s, bn))
+    out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), SPEC), out_specs=P("data")))(
+        params, batch)
+    return jax.device_get(out)
+
+
+def _pipelined(S, M, bubble_fill=0.0, remat=False, bn_mode="running"):
+    module, net, params, bs, batch, L = _setup(M, bn_mode)
+    world = make_world(D * S, D * L, mesh=f"data:{D},stage:{S}")
+    plan = pipeline.plan_stages(module, IMAGE, S)
+
+    def local(p, b):
+        g, s, bn, _ = pipeline.pipeline_forward_backward(net, p, bs, b, M, plan,
+                                                         bubble_fill=bubble_fill, remat=remat,
+                                                         bn_mode=bn_mode)
+        return _lead(lax.psum((g, s, bn), "stage"))
+    fn = jax.jit(jax.shard_map(local, mesh=world.mesh, in_specs=(P(), SPEC),
+                               out_specs=P("data")))
+    return fn, (params, batch), world
+
+
+@functools.lru_cache(maxsize=None)
+def _pipelined_run(S, M, bubble_fill=0.0, remat=False, bn_mode="running"):
+    fn, args, _ = _pipelined(S, M, bubble_fill, remat, bn_mode)
+    return jax.device_get(fn(*args))
+
+
+def _assert_equal_to_reference(got, ref, L):
+    g, sums, bn = got
+    rg, rsums, rbn = ref
+    # counts are exact: top-1, top-5, real rows; BN's n
+    np.testing.assert_array_equal(sums[:, 1:], rsums[:, 1:])
+    for a, b in zip(jax.tree_util.tree_leaves(bn), jax.tree_util.tree_leaves(rbn)):
+        np.testing.assert_array_equal(a[:, -1], b[:, -1])
+    # values: every sum runs over at most L rows x 64 positions per data rank
+    rows = L * IMAGE[0] * IMAGE[1]
+    zeros = jax.tree_util.tree_map(np.zeros_like, ref)
+    worst = assert_within_reorder_rounding(got, ref, zeros, steps=1, rows=rows)
+    for a in jax.tree_util.tree_leaves(got):
+        assert np.isfinite(a).all()
+    return worst
+
+
+@pytest.mark.parametrize("S,M,bn_mode", [(2, 4, "running"), (3, 3, "running"),
+                                         (3, 4, "running"), (3, 3, "sync")])
+def test_gpipe_equals_gradient_accumulation(S, M, bn_mode):
+    """data:2,stage:S with M micro-batches == steps.forward_backward with
+    grad_accumulation_steps=M on 2 data devices: grads, metric sums, BN sums (summed over
+    the stage axis: each device holds its stage's part, zeros elsewhere). ``sync``: each
+    micro-batch's statistics psum'ed over `data` inside the stage's switch branch, as the
+    reference psums them per micro-batch. Measured (jax 0.10.2, CPU): worst leaf at
+    0.034-0.062 of its bound."""
+    *_, L = _setup(M, bn_mode)
+    worst = _assert_equal_to_reference(_pipelined_run(S, M, bn_mode=bn_mode),
+                                       _reference(M, bn_mode), L)
+    print(f"S={S} M={M} {bn_mode}: worst leaf / bound {worst:.3g}")
+
+
+def test_each_device_holds_only_its_stage():
+    """v1 layout: before the sum over `stage`, a device's grads are zero off its stage's
+    leaves, its BN sums zero off its stage's layers, its metric sums zero unless last."""
+    S, M = 3, 3
+    module, net, params, bs, batch, L = _setup(M)
+    world = make_world(D * S, D * L, mesh=f"data:{D},stage:{S}")
+    plan = pipeline.plan_stages(module, IMAGE, S)
+
+    def local(p, b):
+        out = pipeline.pipeline_forward_backward(net, p, bs, b, M, plan)[:3]
+        return jax.tree_util.tree_map(lambda a: a[None, None], out)
+    g, sums, bn = jax.device_get(jax.jit(jax.shard_map(
+        local, mesh=world.mesh, in_specs=(P(), SPEC), out_specs=P("data", "stage")))(
+            params, batch))
+    for s in range(S):
+        own = set(plan.names(s))
+        for name in g:
+            nonzero = any(np.any(x[:, s] != 0) for x in jax.tree_util.tree_leaves(g[name]))
+            assert nonzero == (name in own), (s, name)
+        for name in bn:
+            nonzero = any(np.any(x[:, s] != 0) for x in jax.tree_util.tree_leaves(bn[name]))
+            assert nonzero == (name in own), (s, name)
+        assert np.any(sums[:, s] != 0) == (s == S - 1)
+
+
+def test_nan_in_bubbles_is_bitwise_zero_in_bubbles():
+    """Bubble slots' inputs (stage 0's padding micro-batches after the last real one, the
+    boundary buffers before the first arrives) hold NaN instead of 0: bitwise the same."""
+    S, M = 3, 3
+    zero = _pipelined_run(S, M, 0.0)
+    nan = _pipelined_run(S, M, float("nan"))
+    for a, b in zip(jax.tree_util.tree_leaves(zero), jax.tree_util.tree_leaves(nan)):
+        np.testing.assert_array_equal(a, b)
+        assert np.isfinite(b).all()
+
+
+def test_remat_gives_the_same_result():
+    S, M = 2, 4
+    *_, L = _setup(M)
+    _assert_equal_to_reference(_pipelined_run(S, M, remat=True), _reference(M), L)
+
+
+def _while_loops(hlo: str) -> dict:
+    """``{body computation name: known trip count}`` of every while op in the HLO text."""
+    loops = {}
+    for line in hlo.splitlines():
+        if " while(" not in line:
+            continue
+        body = line.split("body=%", 1)[1].split(",", 1)[0].strip()
+        trip = line.split('"known_trip_count":{"n":"', 1)
+        loops[body] = int(trip[1].split('"', 1)[0]) if len(trip) > 1 else None
+    return loops
+
+
+def _pairs(hlo: str, name: str) -> set:
+    for line in hlo.splitlines():
+        if line.strip().startswith(f"%{name} = ") or line.strip().startswith(f"{name} = "):
+            text = line.split("source_target_pairs={", 1)[1].split("}}", 1)[0] + "}"
+            return {tuple(int(v) for v in p.strip("{}").split(",")) for p in text.split("},{")}
+    raise AssertionError(f"{name} not found")
+
+
+@pytest.mark.parametrize("S,M", [(2, 4), (3, 4)])
+def test_hlo_has_one_permute_per_boundary_each_way_in_the_tick_loop(S, M):
+    """S-1 forward and S-1 backward collective-permutes, each inside a while loop of
+    M+S-1 iterations; forward pairs (b -> b+1) and backward (b+1 -> b) within each data
+    group; no other collective-permute."""
+    fn, args, world = _pipelined(S, M)
+    hlo = fn.lower(*args).compile().as_text()
+    loops = _while_loops(hlo)
+    permutes = [c for c in collectives_in_hlo(hlo) if c["kind"] == "collective-permute"]
+    assert len(permutes) == 2 * (S - 1), [c["name"] for c in permutes]
+    flat = lambda d, s: d * S + s  # the mesh's device order (data outermost)
+    fwd = [{(flat(d, b), flat(d, b + 1)) for d in range(D)} for b in range(S - 1)]
+    bwd = [{(t, s) for s, t in pairs} for pairs in fwd]
+    seen = {"fwd": [], "bwd": []}
+    bodies = {"fwd": set(), "bwd": set()}
+    for c in permutes:
+        assert c["computation"] in loops, c
+        assert loops[c["computation"]] == M + S - 1
+        pairs = _pairs(hlo, c["name"])
+        way = "fwd" if pairs in fwd else "bwd"
+        assert pairs in (fwd if way == "fwd" else bwd), pairs
+        seen[way].append(pairs)
+        bodies[way].add(c["computation"])
+    assert sorted(map(sorted, seen["fwd"])) == sorted(map(sorted, fwd))
+    assert sorted(map(sorted, seen["bwd"])) == sorted(map(sorted, bwd))
+    assert len(bodies["fwd"]) == len(bodies["bwd"]) == 1 and bodies["fwd"] != bodies["bwd"]
+
+
+def test_errors():
+    module, net, params, bs, batch, L = _setup(4)
+    world = make_world(4, D * L, mesh="data:2,stage:2")
+
+    def trace(M, model=net, bn_mode="running", plan=None):
+        def local(p, b):
+            return pipeline.pipeline_forward_backward(model, p, bs, b, M, plan,
+                                                      bn_mode=bn_mode)[1]
+        jax.eval_shape(jax.shard_map(local, mesh=world.mesh, in_specs=(P(), SPEC),
+                                     out_specs=P(("data", "stage"))), params, batch)
+    with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
+        trace(3)
+    with pytest.raises(ValueError, match="1 micro-batches cannot fill 2 stages"):
+        trace(1)
+    with pytest.raises(ValueError, match="differs from bn_mode 'sync'"):
+        trace(4, bn_mode="sync")
+    with pytest.raises(ValueError, match="the stage plan has 3 stages"):
+        trace(4, plan=pipeline.plan_stages(module, IMAGE, 3))
+    with pytest.raises(ValueError, match="pipeline splits trjax.models.ResNet"):
+        import flax.linen as nn
+        trace(4, model=nn.Dense(10))

@@ -1,0 +1,484 @@
+"""GPipe pipeline parallelism for trjax's built-in ResNets, one SPMD program.
+
+Issue 31, first piece (library code; not yet wired into the config or the loop).
+Design: ``shared/notes/model-parallel.md`` §3.2 (v1: parameters replicated over
+``stage``). Sources: GPipe (Huang et al., "GPipe: Efficient Training of Giant
+Neural Networks using Pipeline Parallelism", NeurIPS 2019: fill/drain schedule,
+the backward from the forward loop); the jax ``shard_map`` notebook,
+§"SPMD pipeline parallelism" (a loop of ``M + S - 1`` ticks and a ``ppermute``
+shift per tick); praxis ``praxis/layers/pipeline.py`` (bubble iterations must
+not touch parameters' gradients nor BatchNorm statistics; the NaN-polluted
+bubble test); torchgpipe ``DeferredBatchNorm`` (each micro-batch is normalised
+with its own statistics, the running statistics add every micro-batch's sums
+once per step).
+
+Layout. The ResNet's residual blocks are split into ``S`` contiguous stages
+(:func:`plan_stages`; the stem goes with the first stage, the pooling + dense
+head with the last), balanced by multiply-accumulates. Stage ``s`` runs on the
+devices of mesh coordinate ``stage = s``; only one activation tensor crosses
+each stage boundary (the skips stay inside their block).
+
+Schedule (:func:`pipeline_forward_backward`, called per device inside
+``jax.shard_map`` over ``("data", "stage")``): a ``lax.scan`` over ``T = M + S
+- 1`` ticks; at tick ``t`` the device of stage ``s`` runs its stage
+(``lax.switch(s, [stage_fn_0, ...])``) on micro-batch ``j = t - s``; then one
+exact-shape ``lax.ppermute`` per boundary ``b`` (the single pair ``(b, b +
+1)``) hands the stage outputs on. Slots with ``j`` outside ``[0, M)`` are
+bubbles: all-padding micro-batches (mask 0), their inputs replaced by zeros by
+select (never by multiplication), so whatever the buffers held (NaN included)
+reaches no gradient, metric or BatchNorm sum. The backward is autodiff's
+transpose of the loop (GPipe's drain: the inverse permutes carry the
+cotangents upstream).
+
+Memory. Differentiating a ``lax.switch`` stores, per tick, the residuals of
+every branch (the untaken ones as zeros), so without ``remat`` the loop keeps
+S stages' residuals for each of the M + S - 1 ticks; ``remat=True`` keeps only
+each stage call's inputs and recomputes the stage in the backward (the test
+model at S = 3, M = 4 on XLA:CPU: temp 379 KB -> 98 KB). 1F1B (O(S) stashed
+micro-batches instead of O(M)) is not implemented.
+
+Equivalence. Micro-batch ``j`` on data rank ``r`` holds the local rows ``[j
+mu, (j + 1) mu)``, ``mu = local / M``: the grouping of
+:func:`trjax.steps.forward_backward` with ``grad_accumulation_steps = M``, so
+the two agree up to the order of fp32 sums (BatchNorm normalises each
+micro-batch with its own statistics in both).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from trjax import models
+from trjax.batchnorm import BatchNorm, BatchNormContext, linen_interceptor
+from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
+from trjax.metrics import batch_metrics
+from trjax.steps import example_losses
+
+
+# -- the stages: contiguous runs of residual blocks ---------------------------------------
+
+
+def block_layout(module: models.ResNet, image_shape: Sequence[int]) -> list[dict]:
+    """The residual blocks of a :class:`trjax.models.ResNet` in call order, with
+    their shapes and multiply-accumulates per example.
+
+    Args:
+      module: a ResNet (``models.create_model(...)``); ``BasicBlock`` or
+        ``Bottleneck``.
+      image_shape: ``(H, W, C)`` of one input image.
+
+    Returns:
+      ``[{"name": "stage1_block1", "stage": i, "index": j, "strides": s,
+      "in_shape": (H, W, C), "out_shape": (H', W', C'), "macs": int}]``; the
+      stem's MACs are added to the first block (``"stem_macs"`` there), the
+      head's to the last (``"head_macs"``). Convolution MACs only (BatchNorm,
+      ReLU and pooling are not counted).
+
+    Raises:
+      ValueError: ``module`` is not a ResNet, or has an unknown block type.
+    """
+    if not isinstance(module, models.ResNet):
+        raise ValueError(f"pipeline stages are defined for trjax.models.ResNet, got "
+                         f"{type(module).__name__}")
+    if module.block not in (models.BasicBlock, models.Bottleneck):
+        raise ValueError(f"unknown ResNet block {module.block!r}")
+    h, w, c = (int(v) for v in image_shape)
+    half = lambda v: -(-v // 2)  # 'SAME' / padding 1, stride 2
+    if module.stem == "imagenet":
+        h, w = half(h), half(w)
+        stem = h * w * 49 * c * module.stem_width
+        h, w = half(h), half(w)  # max-pool 3x3 stride 2, padding 1
+    else:
+        stem = h * w * 9 * c * module.stem_width
+    c = module.stem_width
+    blocks = []
+    for i, (n_blocks, width) in enumerate(zip(module.stage_sizes, module.widths)):
+        for j in range(n_blocks):
+            s = 2 if i > 0 and j == 0 else 1
+            ho, wo = (half(h), half(w)) if s == 2 else (h, w)
+            if module.block is models.BasicBlock:
+                out = width
+                macs = ho * wo * 9 * c * width + ho * wo * 9 * width * width
+            else:
+                out = 4 * width
+                macs = h * w * c * width + ho * wo * 9 * width * width + ho * wo * width * out
+            if c != out or s != 1:
+                macs += ho * wo * c * out
+            blocks.append({"name": f"stage{i + 1}_block{j + 1}", "stage": i, "index": j,
+                           "strides": s, "in_shape": (h, w, c), "out_shape": (ho, wo, out),
+                           "macs": int(macs)})
+            h, w, c = ho, wo, out
+    if not blocks:
+        raise ValueError("the ResNet has no residual block to split into stages")
+    blocks[0]["stem_macs"] = int(stem)
+    blocks[0]["macs"] += int(stem)
+    head = c * module.num_classes
+    blocks[-1]["head_macs"] = int(head)
+    blocks[-1]["macs"] += int(head)
+    return blocks
+
+
+def balanced_split(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ``[lo, hi)`` ranges of ``costs`` into ``num_stages`` non-empty
+    parts minimising the largest part's sum (exact dynamic programme, ties to
+    the earliest cut).
+
+    Raises:
+      ValueError: ``num_stages < 1`` or more stages than items.
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise ValueError(f"cannot split {n} residual blocks into {num_stages} stages: "
+                         f"use 1..{n} stages")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    # best[k][i]: min over splits of items [0, i) into k parts of the max part
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for m in range(k - 1, i):
+                v = max(best[k - 1][m], prefix[i] - prefix[m])
+                if v < best[k][i]:
+                    best[k][i], cut[k][i] = v, m
+    bounds, i = [], n
+    for k in range(num_stages, 0, -1):
+        m = cut[k][i]
+        bounds.append((m, i))
+        i = m
+    return bounds[::-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class StagePlan:
+    """How a ResNet is split into pipeline stages.
+
+    Attributes:
+      blocks: the residual block names in call order.
+      bounds: per stage ``(lo, hi)``: it runs ``blocks[lo:hi]`` (stage 0 also
+        the stem, the last stage also the head).
+      macs: per stage, multiply-accumulates per example.
+      shares: per stage, its fraction of the model's MACs.
+      imbalance: ``max(macs) / mean(macs)`` (1 = perfectly balanced; the
+        pipeline's efficiency is at most ``1 / imbalance``).
+    """
+    blocks: tuple
+    bounds: tuple
+    macs: tuple
+    shares: tuple
+    imbalance: float
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.bounds)
+
+    def names(self, s: int) -> list[str]:
+        """The top-level parameter names stage ``s`` owns (stem / blocks / head)."""
+        lo, hi = self.bounds[s]
+        names = list(self.blocks[lo:hi])
+        if s == 0:
+            names = ["stem_conv", "stem_bn"] + names
+        if s == self.num_stages - 1:
+            names = names + ["head"]
+        return names
+
+
+def plan_stages(module: models.ResNet, image_shape: Sequence[int], num_stages: int,
+                starts: Sequence[str] | None = None) -> StagePlan:
+    """Splits a ResNet's residual blocks into ``num_stages`` contiguous stages.
+
+    Args:
+      module: a :class:`trjax.models.ResNet`.
+      image_shape: ``(H, W, C)`` of one image (for the MACs).
+      num_stages: S >= 1.
+      starts: ``None`` (balanced by MACs, :func:`balanced_split`) or the S - 1
+        block names that begin stages 1 .. S-1, in call order.
+
+    Returns:
+      A :class:`StagePlan` (each stage's MAC share in ``shares``).
+
+    Raises:
+      ValueError: from :func:`block_layout` / :func:`balanced_split`; ``starts``
+        of the wrong length, naming an unknown block or the first block, or out
+        of order.
+    """
+    layout = block_layout(module, image_shape)
+    names = [b["name"] for b in layout]
+    costs = [b["macs"] for b in layout]
+    if starts is None:
+        bounds = balanced_split(costs, num_stages)
+    else:
+        starts = list(starts)
+        if len(starts) != num_stages - 1:
+            raise ValueError(f"{num_stages} stages need {num_stages - 1} stage starts, got "
+                             f"{starts}")
+        unknown = [s for s in starts if s not in names[1:]]
+        if unknown:
+            raise ValueError(f"stage starts {unknown} are not blocks after the first; the "
+                             f"blocks are {names}")
+        idx = [names.index(s) for s in starts]
+        if idx != sorted(set(idx)):
+            raise ValueError(f"stage starts {starts} must be distinct and in call order")
+        edges = [0] + idx + [len(names)]
+        bounds = list(zip(edges[:-1], edges[1:]))
+    macs = tuple(sum(costs[lo:hi]) for lo, hi in bounds)
+    total = sum(macs)
+    return StagePlan(blocks=tuple(names), bounds=tuple(bounds), macs=macs,
+                     shares=tuple(m / total for m in macs),
+                     imbalance=max(macs) / (total / len(macs)))
+
+
+class _ResNetStage(nn.Module):
+    """Blocks ``[lo, hi)`` of a :class:`trjax.models.ResNet` (with its stem when
+    ``lo == 0``, its head when ``hi`` is the last), with the ResNet's own module
+    names, so it reads the same parameter and statistics paths."""
+    resnet: dict  # the ResNet's attributes (a plain dict: not adopted as a submodule)
+    lo: int
+    hi: int
+    first: bool
+    last: bool
+
+    @nn.compact
+    def __call__(self, x, train: bool = True, mask=None):
+        r = self.resnet
+        norm = functools.partial(BatchNorm, mode=r["bn_mode"], axis_name=r["axis_name"],
+                                 momentum=r["bn_momentum"], dtype=r["dtype"])
+        im2col = resolve_conv_lowering(r["conv_lowering"]) == "im2col"
+        conv = functools.partial(nn.Conv, use_bias=False, dtype=r["dtype"],
+                                 conv_general_dilated_cls=Im2colConv if im2col else None)
+        if self.first:
+            if r["stem"] == "imagenet":
+                x = conv(r["stem_width"], (7, 7), (2, 2), padding=3, name="stem_conv")(x)
+            else:
+                x = conv(r["stem_width"], (3, 3), padding=1, name="stem_conv")(x)
+            x = nn.relu(norm(name="stem_bn")(x, train, mask))
+            if r["stem"] == "imagenet":
+                x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
+        k = 0
+        for i, (n_blocks, width) in enumerate(zip(r["stage_sizes"], r["widths"])):
+            for j in range(n_blocks):
+                if self.lo <= k < self.hi:
+                    strides = 2 if i > 0 and j == 0 else 1
+                    x = r["block"](width, strides, norm, conv, name=f"stage{i + 1}_block{j + 1}")(
+                        x, train, mask)
+                k += 1
+        if self.last:
+            x = jnp.mean(x, axis=(1, 2))
+            x = nn.Dense(r["num_classes"], dtype=r["dtype"], name="head")(x)
+            x = x.astype(jnp.float32)
+        return x
+
+
+def stage_modules(module: models.ResNet, plan: StagePlan) -> list[nn.Module]:
+    """One linen module per stage of ``plan``; each reads the full ResNet's
+    parameter / ``batch_stats`` paths of the names it owns (:meth:`StagePlan.names`)."""
+    attrs = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
+             if f.name not in ("parent", "name")}
+    s = plan.num_stages
+    return [_ResNetStage(attrs, lo, hi, k == 0, k == s - 1)
+            for k, (lo, hi) in enumerate(plan.bounds)]
+
+
+# -- the pipelined forward + backward -------------------------------------------------------
+
+
+def _varying(x, axes):
+    """``x`` cast to varying over every axis of ``axes`` it is not varying over yet
+    (loop carries and ``lax.switch`` branches must agree on the type)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; earlier: aval.vma
+    have = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+    missing = tuple(a for a in axes if a not in have)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
+def _subtree(tree: dict, names) -> dict:
+    return {k: tree[k] for k in names if k in tree}
+
+
+def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatches: int,
+                              plan: StagePlan | None = None, loss_scale=None,
+                              bn_mode: str = "running", data_axis: str = "data",
+                              stage_axis: str = "stage", num_stages: int | None = None,
+                              loss_fn=None, label_smoothing: float = 0.0,
+                              remat: bool = False, bubble_fill: float = 0.0):
+    """Per device, GPipe: gradients of the summed loss, metric sums, BN batch sums.
+
+    Call inside ``jax.shard_map`` over a mesh with axes ``(data_axis,
+    stage_axis)`` (:func:`trjax.world.make_world` with ``mesh="data:D,stage:S"``),
+    the batch split over ``data`` and replicated over ``stage``, the parameters
+    replicated (v1 of the design: each device computes only with its stage's
+    leaves). The parameters are cast to varying over both axes here (if they are
+    not already), so every result is this device's own part; summing over
+    ``stage_axis`` (e.g. the gradient exchange run over ``(data, stage)``) gives
+    what :func:`trjax.steps.forward_backward` with ``grad_accumulation_steps =
+    num_microbatches`` returns on that data rank.
+
+    Args:
+      model: a :class:`trjax.models.Network` wrapping, or a bare,
+        :class:`trjax.models.ResNet`; its BatchNorm mode must be ``bn_mode``.
+      params: the full parameter tree.
+      batch_stats: this device's BN running statistics (full tree, ``[C]`` leaves).
+      batch: ``{"image": [L, H, W, C], "label": [L] int32, "mask": [L] float32}``
+        (the local batch of this data rank; standardised here with
+        :func:`trjax.models.normalize`).
+      num_microbatches: M; micro-batch ``j`` holds rows ``[j L/M, (j+1) L/M)``.
+      plan: the stage split (:func:`plan_stages`), or ``None``: balanced by MACs
+        over ``num_stages`` (default: the size of ``stage_axis``).
+      loss_scale: multiplies the loss before backward (fp16), or ``None``.
+      bn_mode: ``"running"`` (each micro-batch normalised with its own rows'
+        statistics), ``"sync"`` (each micro-batch's statistics psum'ed over
+        ``data_axis``, inside the stage's switch branch: every member of a data
+        group runs the same stage; checked on XLA:CPU only) or ``"local"``
+        (untested). The model's BatchNorm mode and axis name must match.
+      data_axis, stage_axis: the mesh axis names.
+      loss_fn, label_smoothing: the per-example loss
+        (:func:`trjax.steps.example_losses`); default softmax cross-entropy.
+      remat: ``jax.checkpoint`` each stage call (the backward recomputes the
+        stage; stored per tick: its inputs only).
+      bubble_fill: the value bubble slots' input buffers hold before masking
+        (a test hook: NaN must give bitwise the same results as 0).
+
+    Returns:
+      ``(grads, sums [4] float32, bn_sums, rules)`` as
+      :func:`trjax.steps.forward_backward`, per device: ``grads`` (the full
+      tree, float32) are nonzero only on the leaves of this device's stage;
+      ``sums`` (``[loss_sum, top1, top5, count]``) are nonzero on the last
+      stage only; ``bn_sums`` (every BatchNorm's ``{"sums": [2C+1]}``) hold this
+      stage's layers' sums over its M valid micro-batches and zeros for the
+      other stages' layers; ``rules`` every BatchNorm's running rule.
+
+    Raises:
+      ValueError (while tracing): the model is not a ResNet; its ``bn_mode``
+        differs from ``bn_mode``; M < 1, M < S, or L not divisible by M; a plan
+        for another stage count than the mesh's; more stages than blocks.
+    """
+    net = models.as_network(model)
+    module = net.module
+    if not isinstance(module, models.ResNet):
+        raise ValueError(f"the pipeline splits trjax.models.ResNet models, got "
+                         f"{type(module).__name__}")
+    if module.bn_mode != bn_mode:
+        raise ValueError(f"the model's BatchNorm mode {module.bn_mode!r} differs from "
+                         f"bn_mode {bn_mode!r}")
+    axes = (data_axis, stage_axis)
+    S = lax.axis_size(stage_axis) if num_stages is None else int(num_stages)
+    image = batch["image"]
+    L = image.shape[0]
+    M = int(num_microbatches)
+    if M < 1 or L % M:
+        raise ValueError(f"the local batch of {L} rows does not split into {M} micro-batches")
+    if M < S:
+        raise ValueError(f"{M} micro-batches cannot fill {S} stages: use at least {S} "
+                         f"(GPipe's rule of thumb: {4 * S})")
+    if plan is None:
+        plan = plan_stages(module, image.shape[1:], S)
+    if plan.num_stages != S:
+        raise ValueError(f"the stage plan has {plan.num_stages} stages, the mesh axis "
+                         f"{stage_axis!r} {S}")
+    mods = stage_modules(module, plan)
+    mu = L // M
+    T = M + S - 1
+    rules: dict = {}
+
+    x = models.normalize(image, net.mean, net.std, net.dtype)
+    pad = lambda a, v: jnp.concatenate(
+        [a.reshape((M, mu) + a.shape[1:]),
+         jnp.full((S - 1, mu) + a.shape[1:], v, a.dtype)], axis=0)
+    images = pad(x, bubble_fill)                       # [T, mu, H, W, C]
+    labels = pad(batch["label"], 0)                    # [T, mu]
+    masks = pad(batch["mask"].astype(jnp.float32), 0)  # [T, mu]
+
+    def run_stage(k, p, x_in, mask):
+        names = plan.names(k)
+        ctx = BatchNormContext(bn_mode, data_axis, mask)
+
+        def call(p, x_in, mask):
+            with nn.intercept_methods(linen_interceptor(ctx)):
+                y, new = mods[k].apply(
+                    {"params": _subtree(p, names), "batch_stats": _subtree(batch_stats, names)},
+                    x_in, train=True, mutable=["batch_stats", "bn_sums"])
+            return y, new.get("bn_sums", {})
+
+        out = (jax.checkpoint(call) if remat else call)(p, x_in, mask)
+        rules.update(ctx.rules)
+        return out
+
+    # shapes of every boundary (stage b's output, stage b+1's input) and of each stage's sums
+    def abstract(k, x_shape, x_dtype):
+        return jax.eval_shape(lambda p, xi, m: run_stage(k, p, xi, m), params,
+                              jax.ShapeDtypeStruct(x_shape, x_dtype),
+                              jax.ShapeDtypeStruct((mu,), jnp.float32))
+    shapes, bn_shapes = [], {}
+    cur = (images.shape[1:], images.dtype)
+    for k in range(S):
+        y, sums_k = abstract(k, *cur)
+        bn_shapes.update(sums_k)
+        if k < S - 1:
+            shapes.append(y)
+            cur = (y.shape, y.dtype)
+    zeros_bn = lambda: jax.tree_util.tree_map(
+        lambda s: _varying(jnp.zeros(s.shape, s.dtype), axes), bn_shapes)
+    zeros_buf = lambda b, v=0.0: _varying(jnp.full(shapes[b].shape, v, shapes[b].dtype), axes)
+
+    def branch(k):
+        def fn(p, inputs, mask, label, valid):
+            x_in = jnp.where(valid, inputs[k], jnp.zeros_like(inputs[k]))  # select, NaN-safe
+            y, own = run_stage(k, p, x_in, mask)
+            bn = zeros_bn()
+            bn.update(own)
+            bn = jax.tree_util.tree_map(lambda a: _varying(a, axes), bn)
+            outs = [zeros_buf(b) for b in range(S - 1)]
+            if k < S - 1:
+                outs[k] = _varying(y.astype(shapes[k].dtype), axes)
+                sums = jnp.zeros((4,), jnp.float32)
+            else:
+                losses = None
+                if loss_fn is not None or label_smoothing > 0:
+                    losses = example_losses(y, label, loss_fn, label_smoothing)
+                sums = batch_metrics(y, label, mask, losses)
+            return tuple(outs), _varying(sums, axes), bn
+        return fn
+
+    branches = [branch(k) for k in range(S)]
+    stage = lax.axis_index(stage_axis)
+
+    def objective(p):
+        def tick(carry, t):
+            bufs, sums_acc, bn_acc, loss_acc = carry
+            j = t - stage
+            valid = (j >= 0) & (j < M)
+            jc = jnp.clip(j, 0, T - 1)
+            mask = jnp.where(valid, masks[jc], jnp.zeros_like(masks[jc]))
+            inputs = (_varying(images[t], axes),) + tuple(bufs)
+            outs, sums, bn = lax.switch(stage, branches, p, inputs, _varying(mask, axes),
+                                        _varying(labels[jc], axes), valid)
+            sums = jnp.where(valid, sums, jnp.zeros_like(sums))
+            bn = jax.tree_util.tree_map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), bn)
+            outs = [jnp.where(valid, o, jnp.zeros_like(o)) for o in outs]
+            new_bufs = tuple(lax.ppermute(outs[b], stage_axis, [(b, b + 1)])
+                             for b in range(S - 1))
+            loss = sums[0] if loss_scale is None else sums[0] * loss_scale
+            return (new_bufs, sums_acc + sums,
+                    jax.tree_util.tree_map(jnp.add, bn_acc, bn), loss_acc + loss), None
+
+        init = (tuple(zeros_buf(b, bubble_fill) for b in range(S - 1)),
+                _varying(jnp.zeros((4,), jnp.float32), axes), zeros_bn(),
+                _varying(jnp.zeros((), jnp.float32), axes))
+        (_, sums, bn, loss), _ = lax.scan(tick, init, jnp.arange(T, dtype=jnp.int32))
+        return loss, (sums, bn)
+
+    p = jax.tree_util.tree_map(lambda a: _varying(a, axes), params)
+    (_, (sums, bn_sums)), grads = jax.value_and_grad(objective, has_aux=True)(p)
+    models.check_batch_stats(batch_stats, rules)
+    return grads, sums, bn_sums, rules
