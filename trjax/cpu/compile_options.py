@@ -43,12 +43,29 @@ def platform_of(tree) -> str:
 
 def step_options(example_args) -> dict | None:
     """:data:`STEP_OPTIONS` when ``example_args`` live on CPU devices, else ``None``."""
-    return dict(STEP_OPTIONS) if platform_of(example_args) == "cpu" else None
+    return _known(STEP_OPTIONS) if platform_of(example_args) == "cpu" else None
+
+
+REMOVED_IN = {"xla_cpu_use_fusion_emitters": (0, 12)}
+"""Options of :data:`INIT_OPTIONS` / :data:`STEP_OPTIONS` and the jaxlib
+release whose XLA no longer knows them (XLA refuses an unknown option, and the
+refused attempt would count as a compile and a cache miss)."""
+
+
+def _jaxlib_version() -> tuple:
+    import jaxlib.version
+    return tuple(int(p) for p in re.findall(r"\d+", jaxlib.version.__version__)[:3])
+
+
+def _known(options: dict) -> dict:
+    """``options`` less those this jaxlib's XLA no longer has (:data:`REMOVED_IN`)."""
+    version = _jaxlib_version()
+    return {k: v for k, v in options.items() if k not in REMOVED_IN or version < REMOVED_IN[k]}
 
 
 def init_options(platform: str) -> dict | None:
-    """:data:`INIT_OPTIONS` on ``"cpu"``, else ``None``."""
-    return dict(INIT_OPTIONS) if platform == "cpu" else None
+    """:data:`INIT_OPTIONS` on ``"cpu"`` (those this jaxlib knows), else ``None``."""
+    return _known(INIT_OPTIONS) if platform == "cpu" else None
 
 
 _UNKNOWN_OPTION = re.compile(r"No such compile option: '([^']+)'")
