@@ -230,13 +230,6 @@ def test_python_m_trjax_train_help_and_errors_before_compiling(tmp_path):
     assert "compiled" not in out.stdout and not os.path.exists(tmp_path / "w" / "checkpoints")
 
 
-def _prepare_takes_a_model() -> bool:
-    import inspect
-    from trjax.train import trainer
-    return "model" in inspect.signature(trainer.prepare).parameters
-
-
-@pytest.mark.skipif(not _prepare_takes_a_model(), reason="trainer.prepare takes no model= yet")
 def test_a_model_resolved_by_path_is_one_the_trainer_prepares(nets):
     """What trainer.prepare does with an import path (nothing is compiled): the resolved
     module passes the trainer's checks (logits [B, num_classes]) and gets a MemoryPlan."""
@@ -247,15 +240,6 @@ def test_a_model_resolved_by_path_is_one_the_trainer_prepares(nets):
     assert tr.data.num_classes == 10 and sum(s.size for s in tr.plan.slots) > 0
 
 
-def _trainer_builds_models_by_path() -> bool:
-    import inspect
-    from trjax.train import trainer
-    return "resolve_model" in inspect.getsource(trainer.prepare)
-
-
-@pytest.mark.skipif(not _trainer_builds_models_by_path(),
-                    reason="trainer.prepare does not build config.model through "
-                           "config.resolve_model yet")
 def test_the_command_trains_a_model_named_by_path_from_the_current_directory(tmp_path):
     """``--config.model=mynets:Net`` with ``mynets.py`` beside the run; Net is ResNet-8, so
     the programs are those of tests/test_install.py's run (the session's compilation cache)."""
