@@ -6,16 +6,7 @@
 ``--config`` also takes a packaged config's name (``--config default``). This
 wrapper runs :func:`trjax.train.main.run` from a clone without an install.
 
-On a host without an accelerator, ``config.cpu_devices`` CPU devices are
-simulated so the data-parallel path always runs. Under ``srun``/``mpirun`` (or
-with ``JAX_COORDINATOR_ADDRESS``) the processes start as one run
-(``trjax.train.distributed.detect_launch``); a workdir another live run writes into
-is refused.
-
-Exit codes (``trjax.train.stops``): 0 done; 1 bad input, an incompatible checkpoint or
-config, a busy workdir; 3 a peer process died or hangs; 4 non-finite steps
-(``halt_on_nonfinite``, ``max_consecutive_overflows``); 143 stopped by SIGTERM or
-SIGUSR1 after saving a checkpoint (start again to resume); 130 the same after Ctrl-C.
+Behaviour and exit codes: :mod:`trjax.train.main`.
 """
 
 import os

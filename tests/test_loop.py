@@ -6,18 +6,12 @@ import os
 import numpy as np
 import pytest
 
-from helpers import small_config, tensorboard_scalars
+from helpers import small_config
+from test_logs import _tensorboard_scalars as _scalars
 from trjax.data import input_pipeline
 from trjax.train import train_and_evaluate
 from trjax.train.metrics_log import read_rows
 from trjax.train.trainer import data_identity
-
-
-def _scalars(folder):
-    out = {}
-    for tag, step, value in tensorboard_scalars(folder):
-        out.setdefault(tag, []).append((step, value))
-    return out
 
 
 def test_tensorboard_shows_each_step_once_after_a_crash_and_a_resume(tmp_path, monkeypatch):
