@@ -7,6 +7,12 @@ computation in schedule order, with its operands' element counts and bytes;
 :func:`label_collectives` names what each operand carries by matching the
 MemoryPlan's buffer sizes.
 
+:func:`axis_of` attributes a collective to the mesh axes its device groups
+span, :func:`trip_counts` gives how often each loop body runs, and
+:func:`by_axis` totals the issued collectives and bytes per axis; the byte
+models :func:`pipeline_bytes`, :func:`tensor_bytes` and :func:`data_bytes`
+are the design notes' (model-parallel.md 3.7) for comparison.
+
 The traffic model is the ring all-reduce's: each rank sends (and receives)
 ``2 (N-1) / N * |g|`` bytes for a buffer of ``|g|`` bytes over N ranks
 (reduce-scatter then all-gather; Patarasuk & Yuan 2009, as used by NCCL).
@@ -16,6 +22,8 @@ from __future__ import annotations
 
 import math
 import re
+
+import numpy as np
 
 
 COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather", "collective-permute", "all-to-all",
@@ -103,6 +111,120 @@ def _operands(type_str: str) -> list[dict]:
             for dt, shape in _shapes(type_str)]
 
 
+# -- device groups and loop trip counts ------------------------------------------------------
+# HLO text syntax (xla/hlo/ir/hlo_instruction.cc, collective_device_list.cc): an explicit list
+# ``replica_groups={{0,2},{1,3}}`` (``{}``: one group of every participant), or the iota form
+# IotaReplicaGroupList prints, ``replica_groups=[G,N]<=[d0,d1,...]`` optionally followed by
+# ``T(p0,p1,...)``; ``source_target_pairs={{0,1},{2,3}}`` for collective-permute.
+_GROUP_LIST = re.compile(r"\breplica_groups=\{((?:\s*\{[\d,\s]*\}\s*,?)*)\}")
+_GROUP_IOTA = re.compile(r"\breplica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*,?)*)\}")
+_BRACED = re.compile(r"\{([\d,\s]*)\}")
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+_TRIP = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"(\d+)"')
+_WHILE_PARTS = re.compile(r"\b(body|condition)=%?([\w.\-]+)")
+
+
+def iota_groups(group_dims, reshape_dims, transpose_perm=None) -> list[list[int]]:
+    """The groups of XLA's iota replica-group list ``[G,N]<=[reshape_dims]T(perm)``:
+    ``iota(prod(reshape_dims)).reshape(reshape_dims).transpose(perm).reshape(G, N)``,
+    row g the ids of group g (IotaReplicaGroupList / IotaTileAssignment, XLA
+    ``hlo/ir/collective_device_list.h``, ``tile_assignment.h``).
+
+    >>> iota_groups([2, 2], [2, 2], [1, 0])
+    [[0, 2], [1, 3]]
+    """
+    ids = np.arange(math.prod(reshape_dims)).reshape(tuple(reshape_dims))
+    if transpose_perm is not None:
+        ids = ids.transpose(tuple(transpose_perm))
+    return ids.reshape(tuple(group_dims)).tolist()
+
+
+def device_groups(attributes: str) -> dict:
+    """The device groups in one collective instruction's attribute text.
+
+    Returns ``{"groups", "pairs", "channel_id", "use_global_device_ids"}``:
+    ``groups`` a list of id lists from ``replica_groups`` (explicit or iota
+    form; ``[]`` for ``replica_groups={}``, i.e. one group of all
+    participants; None where the attribute is absent); ``pairs`` a list of
+    ``[source, target]`` from ``source_target_pairs`` (None if absent);
+    ``channel_id`` an int or None.
+
+    What the ids mean (XLA's CollectiveOpGroupMode): with ``channel_id`` and
+    ``use_global_device_ids=true`` they are flattened ids ``replica *
+    num_partitions + partition``; with ``channel_id`` alone, partition ids;
+    with neither, replica ids. A jitted ``shard_map`` program is one replica
+    of N partitions, so in every case they are the *logical* ids 0..N-1, the
+    positions in the executable's device assignment (= ``mesh.devices.flat``),
+    not ``device.id``. XLA:CPU (jax 0.10.2) prints shard_map's psum /
+    psum_scatter / all_gather with ``channel_id=1 ... use_global_device_ids=true``
+    and explicit lists, all_to_all and ppermute with ``channel_id`` only.
+    """
+    out = {"groups": None, "pairs": None, "channel_id": None,
+           "use_global_device_ids": "use_global_device_ids=true" in attributes}
+    if (m := _GROUP_IOTA.search(attributes)) is not None:
+        ints = [None if s is None else [int(v) for v in s.split(",")] for s in m.groups()]
+        out["groups"] = iota_groups(*ints)
+    elif (m := _GROUP_LIST.search(attributes)) is not None:
+        out["groups"] = [[int(v) for v in g.replace(" ", "").split(",") if v]
+                         for g in _BRACED.findall(m.group(1))]
+    if (m := _PAIRS.search(attributes)) is not None:
+        out["pairs"] = [[int(v) for v in p.replace(" ", "").split(",")]
+                        for p in _BRACED.findall(m.group(1))]
+    if (m := _CHANNEL.search(attributes)) is not None:
+        out["channel_id"] = int(m.group(1))
+    return out
+
+
+def trip_counts(hlo_or_comps) -> dict[str, int | None]:
+    """``{computation: times it runs per execution of the module}``.
+
+    ``"ENTRY"`` runs once; a while body ``n`` times per run of the computation
+    holding the ``while`` (its condition ``n + 1``), where ``n`` is XLA's
+    ``backend_config={..."known_trip_count":{"n":"4"}...}`` on the ``while``
+    (printed by XLA:CPU for ``lax.scan`` / ``fori_loop`` loops; None where the
+    loop has no known count); conditional branches and inline callees
+    (fusions, calls, async wrappers) once per run of their caller (a branch:
+    at most once). Nested loops multiply; a computation called from several
+    places sums. Accepts the HLO text or :func:`computations`'s dict.
+    """
+    comps = computations(hlo_or_comps) if isinstance(hlo_or_comps, str) else hlo_or_comps
+    callers: dict[str, list[tuple[str, int | None]]] = {}
+    for name, lines in comps.items():
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            if m.group(3) == "while":
+                trip = _TRIP.search(line)
+                n = int(trip.group(1)) if trip else None
+                for part, callee in _WHILE_PARTS.findall(m.group(4)):
+                    mult = n if (n is None or part == "body") else n + 1
+                    callers.setdefault(callee, []).append((name, mult))
+                continue
+            for a, b in _LOOP_CALLS.findall(m.group(4)):  # conditional branches
+                for callee in [a] if a else [x.strip().lstrip("%") for x in b.split(",")]:
+                    callers.setdefault(callee, []).append((name, 1))
+            for callee in _INLINE_CALLS.findall(m.group(4)):
+                callers.setdefault(callee, []).append((name, 1))
+    memo: dict[str, int | None] = {"ENTRY": 1}
+
+    def count(name, depth=0):
+        if name not in memo:
+            memo[name] = None  # cycles (malformed text) and depth: unknown
+            if depth < 64:
+                total = 0
+                for caller, mult in callers.get(name, ()):
+                    c = count(caller, depth + 1)
+                    if c is None or mult is None:
+                        total = None
+                        break
+                    total += c * mult
+                memo[name] = total
+        return memo[name]
+    return {name: count(name) for name in comps}
+
+
 def collectives_in_hlo(hlo_text: str | None, nested: bool = True) -> list[dict] | None:
     """Every collective of the compiled module, in schedule order.
 
@@ -128,12 +250,17 @@ def collectives_in_hlo(hlo_text: str | None, nested: bool = True) -> list[dict] 
     Returns:
       ``[{"name", "kind", "async", "position", "done_position",
       "computation", "via", "operands": [{"dtype", "shape", "elements",
-      "bytes"}], "elements", "bytes"}]``. ``kind`` is the collective without
+      "bytes"}], "elements", "bytes", "trip_count", "groups", "pairs",
+      "channel_id", "use_global_device_ids"}]``. ``kind`` is the collective without
       ``-start``; ``position`` is the instruction index in ``computation``
       (``"ENTRY"`` or a loop body) where it starts, ``done_position`` where
       an async one completes (else equal); ``via`` names the fusion or async
       computation it sits in (None at top level). The operands are the
       collective's result: for an async pair the ``-done``'s type.
+      ``trip_count`` is how many times ``computation`` runs per execution
+      (:func:`trip_counts`: 1 for ``"ENTRY"``, the product of the enclosing
+      while loops' known trip counts, None where one is unknown); the last
+      four are :func:`device_groups`'s.
     """
     if hlo_text is None:
         return None
@@ -141,6 +268,7 @@ def collectives_in_hlo(hlo_text: str | None, nested: bool = True) -> list[dict] 
     wrapped = {callee for lines in comps.values() for line in lines
                if (m := _INSTR.match(line)) and m.group(3) == "async-start"
                for callee in _INLINE_CALLS.findall(m.group(4))}
+    trips = trip_counts(comps)
     out = []
 
     def scan(root):
@@ -154,13 +282,15 @@ def collectives_in_hlo(hlo_text: str | None, nested: bool = True) -> list[dict] 
                 found.append({"name": name, "kind": kind, "async": op.endswith("-start"),
                               "position": pos, "done_position": pos,
                               "computation": root, "via": via,
-                              "operands": _operands(m.group(2))})
+                              "operands": _operands(m.group(2)),
+                              **device_groups(m.group(4))})
             elif op == "async-start":
                 inner = _wrapped_collective(comps, m.group(4))
                 if inner is not None:
                     found.append({"name": name, "kind": inner[0], "async": True,
                                   "position": pos, "done_position": pos, "computation": root,
-                                  "via": via, "operands": _operands(inner[1])})
+                                  "via": via, "operands": _operands(inner[1]),
+                                  **device_groups(inner[2])})
             elif op.endswith("-done") or op == "async-done":
                 dones.append((pos, m))
         for pos, m in dones:  # pair each done with its start (named in its operands)
@@ -173,6 +303,7 @@ def collectives_in_hlo(hlo_text: str | None, nested: bool = True) -> list[dict] 
         for c in found:
             c["elements"] = sum(o["elements"] for o in c["operands"])
             c["bytes"] = sum(o["bytes"] for o in c["operands"])
+            c["trip_count"] = trips.get(root)
         out.extend(found)
 
     scan("ENTRY")
@@ -189,14 +320,170 @@ def collectives_in_hlo(hlo_text: str | None, nested: bool = True) -> list[dict] 
 
 
 def _wrapped_collective(comps, args: str):
-    """For an ``async-start``'s argument text: ``(kind, result type)`` of the
-    collective its ``calls=`` computation wraps, or None."""
+    """For an ``async-start``'s argument text: ``(kind, result type, argument
+    text)`` of the collective its ``calls=`` computation wraps, or None."""
     for callee in _INLINE_CALLS.findall(args):
         for line in comps.get(callee, ()):
             m = _INSTR.match(line)
             if m and m.group(3) in COLLECTIVES:
-                return m.group(3), m.group(2)
+                return m.group(3), m.group(2), m.group(4)
     return None
+
+
+# -- mesh axes ---------------------------------------------------------------------------------
+
+
+def _axes_value(names, axes):
+    axes = [names[i] for i in sorted(axes)]
+    return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
+def axis_of(collective: dict, mesh) -> str | tuple[str, ...] | None:
+    """The mesh axis (or axes, in mesh order) a compiled collective runs over.
+
+    Logical id ``i`` in the HLO (:func:`device_groups`) is the device at
+    ``np.unravel_index(i, mesh.devices.shape)`` (``mesh.devices.flat`` is the
+    executable's device assignment). A group over axes A holds the devices that
+    differ only in A's coordinates: the groups must be exactly those slabs
+    (``psum(x, "data")`` on data:2,stage:2 is ``{{0,2},{1,3}}`` -> ``"data"``;
+    ``psum(x, ("data","stage"))`` is ``{{0,1,2,3}}`` -> ``("data","stage")``).
+    ``replica_groups={}`` is one group of all devices. For a collective-permute,
+    the axes along which some pair's source and target differ.
+
+    Args:
+      collective: a dict of :func:`collectives_in_hlo` (``groups``, ``pairs``).
+      mesh: the ``jax.sharding.Mesh`` the program was compiled for.
+
+    Returns:
+      an axis name, a tuple of names, or None: no groups or pairs, only
+      single-device groups (or self-pairs), or groups that are not the slabs
+      of any set of axes.
+
+    Raises:
+      ValueError: an id outside ``0 .. mesh.size - 1``.
+    """
+    shape, names = mesh.devices.shape, tuple(mesh.axis_names)
+    size = math.prod(shape)
+    pairs, groups = collective.get("pairs"), collective.get("groups")
+    if pairs is not None:
+        ids = [i for p in pairs for i in p]
+    elif groups is not None:
+        groups = groups or [list(range(size))]
+        ids = [i for g in groups for i in g]
+    else:
+        return None
+    if any(i < 0 or i >= size for i in ids):
+        raise ValueError(f"collective {collective.get('name')!r}: device id outside 0..{size - 1} "
+                         f"of a mesh of shape {dict(zip(names, shape))}")
+    coord = lambda i: np.unravel_index(i, shape)  # noqa: E731
+    if pairs is not None:
+        return _axes_value(names, {a for s, t in pairs for a in range(len(shape))
+                                   if coord(s)[a] != coord(t)[a]})
+    axes = {a for g in groups for i in g for a in range(len(shape))
+            if coord(i)[a] != coord(g[0])[a]}
+    # the slabs over `axes`: devices with equal coordinates on every other axis
+    slabs: dict[tuple, set] = {}
+    for i in range(size):
+        slabs.setdefault(tuple(c for a, c in enumerate(coord(i)) if a not in axes), set()).add(i)
+    if sorted(map(sorted, slabs.values())) != sorted(map(sorted, groups)):
+        return None
+    return _axes_value(names, axes)
+
+
+def by_axis(collectives: list[dict], mesh) -> dict:
+    """Collectives grouped by :func:`axis_of`, with what one step issues.
+
+    Returns ``{axis: {"count", "bytes", "collectives"}}`` (axis as
+    :func:`axis_of` gives it, None for unattributed ones): ``count`` the number
+    issued per execution (each collective times its ``trip_count``),
+    ``bytes`` the sum of its result bytes (``"bytes"`` of
+    :func:`collectives_in_hlo`: the local buffer on one device; an all-gather's
+    gathered, a reduce-scatter's scattered result) times ``trip_count``, per
+    device program; ``collectives`` the list in :func:`collectives_in_hlo`'s
+    order. A collective with an unknown ``trip_count`` counts once and is
+    flagged in ``"unknown_trip_counts"`` (the number of them).
+
+    These are *issued* counts: a GPipe loop's permutes run M+S-1 times per
+    direction and boundary, M of them carrying micro-batches
+    (:func:`pipeline_bytes` is the useful model), and in a permute with one
+    pair per group only the source device sends. Collectives in conditional
+    branches count at their caller's rate, every branch: for the pipeline's
+    ``lax.switch`` over the stage index that is the sum over all stages'
+    branches, while one device runs only its own stage's.
+    """
+    out: dict = {}
+    for c in collectives:
+        row = out.setdefault(axis_of(c, mesh), {"count": 0, "bytes": 0, "collectives": [],
+                                                "unknown_trip_counts": 0})
+        trip = c.get("trip_count")
+        row["unknown_trip_counts"] += trip is None
+        trip = 1 if trip is None else trip
+        row["count"] += trip
+        row["bytes"] += c["bytes"] * trip
+        row["collectives"].append(c)
+    return out
+
+
+# -- byte models (notes/model-parallel.md 3.7) -------------------------------------------------
+
+
+def pipeline_bytes(num_microbatches: int, micro_batch: int, boundary_shapes, itemsize: int) -> int:
+    """Useful point-to-point bytes of one GPipe step, per data replica's pipeline.
+
+    ``sum_b 2 * M * mu * |a_b| * itemsize``: at each stage boundary b each of M
+    micro-batches of ``mu`` rows sends its activation forward and its cotangent
+    backward, one sender per pair, so no ring factor (GPipe, Huang et al. 2019;
+    the notes 3.7).
+
+    Args:
+      num_microbatches: M.
+      micro_batch: mu, rows per micro-batch.
+      boundary_shapes: per boundary, one example's activation shape
+        (``(H, W, C)``); S-1 of them.
+      itemsize: bytes per element of the boundary dtype.
+
+    Returns:
+      bytes (int).
+    """
+    return sum(2 * num_microbatches * micro_batch * math.prod(s) * itemsize
+               for s in boundary_shapes)
+
+
+def tensor_bytes(batch: int, pairs, num_ranks: int, itemsize: int,
+                 num_classes: int = 0) -> dict:
+    """Bytes one tensor-parallel rank sends per step (Megatron, in shard_map).
+
+    Per column->row pair (Shoeybi et al. 2019, ``megatron/core/tensor_parallel/
+    mappings.py``): the forward all-reduce g of the row-parallel output,
+    ``B*H*W*C_b`` elements, and the backward all-reduce f of the column-parallel
+    input's cotangent, ``B*H*W*C_a``, each a ring all-reduce
+    (``2 (T-1)/T * bytes``, :func:`ring_traffic_bytes`). A column-parallel head
+    over K classes adds an all-gather of the logits forward and its transpose,
+    a reduce-scatter, backward: ``(T-1)/T * B*K*itemsize`` each.
+
+    Args:
+      batch: B, rows per tensor-parallel group (the local batch of a data rank).
+      pairs: per pair ``(out_shape, in_shape)``, one example's shapes
+        ``(H, W, C_b)`` of the row-parallel output and ``(H, W, C_a)`` of the
+        column-parallel input.
+      num_ranks: T, the model axis size.
+      itemsize: bytes per activation element.
+      num_classes: K of a column-parallel head; 0 for none.
+
+    Returns:
+      ``{"forward", "backward", "head", "total"}`` in bytes (floats).
+    """
+    fwd = sum(ring_traffic_bytes(batch * math.prod(o) * itemsize, num_ranks) for o, _ in pairs)
+    bwd = sum(ring_traffic_bytes(batch * math.prod(i) * itemsize, num_ranks) for _, i in pairs)
+    head = 2.0 * (num_ranks - 1) / num_ranks * batch * num_classes * itemsize
+    return {"forward": fwd, "backward": bwd, "head": head, "total": fwd + bwd + head}
+
+
+def data_bytes(grad_bytes: int, num_ranks: int) -> float:
+    """Bytes each data rank sends for the gradient all-reduce: ``2 (N-1)/N * |g|``
+    (:func:`ring_traffic_bytes`); N = D for per-stage or tensor-parallel
+    buckets, D*S for v1 pipeline buckets over ``("data", "stage")``."""
+    return ring_traffic_bytes(grad_bytes, num_ranks)
 
 
 _MLIR_DTYPES = {"f32": 4, "bf16": 2, "f16": 2, "f64": 8, "i32": 4, "ui32": 4, "i64": 8, "ui64": 8,

@@ -1,6 +1,7 @@
 """GPipe pipeline parallelism for trjax's built-in ResNets, one SPMD program.
 
-Issue 31, first piece (library code; not yet wired into the config or the loop).
+Issue 31. :func:`make_train_step` is the pipelined train step the trainer
+compiles for a mesh with a ``stage`` axis (``config.mesh="data:2,stage:4"``).
 Design: ``shared/notes/model-parallel.md`` §3.2 (v1: parameters replicated over
 ``stage``). Sources: GPipe (Huang et al., "GPipe: Efficient Training of Giant
 Neural Networks using Pipeline Parallelism", NeurIPS 2019: fill/drain schedule,
@@ -59,7 +60,8 @@ from trjax import models
 from trjax.batchnorm import BatchNorm, BatchNormContext, linen_interceptor
 from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
 from trjax.metrics import batch_metrics
-from trjax.steps import example_losses
+from trjax.state import state_specs
+from trjax.steps import apply_gradients, batch_spec, example_losses
 
 
 # -- the stages: contiguous runs of residual blocks ---------------------------------------
@@ -427,8 +429,11 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         if k < S - 1:
             shapes.append(y)
             cur = (y.shape, y.dtype)
+    # sync mode's sums come out of a psum over data: the same on every data rank, typed so
+    # (the step then all-reduces them over the stage axis only)
+    bn_axes = (stage_axis,) if bn_mode == "sync" else axes
     zeros_bn = lambda: jax.tree_util.tree_map(
-        lambda s: _varying(jnp.zeros(s.shape, s.dtype), axes), bn_shapes)
+        lambda s: _varying(jnp.zeros(s.shape, s.dtype), bn_axes), bn_shapes)
     zeros_buf = lambda b, v=0.0: _varying(jnp.full(shapes[b].shape, v, shapes[b].dtype), axes)
 
     def branch(k):
@@ -437,7 +442,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
             y, own = run_stage(k, p, x_in, mask)
             bn = zeros_bn()
             bn.update(own)
-            bn = jax.tree_util.tree_map(lambda a: _varying(a, axes), bn)
+            bn = jax.tree_util.tree_map(lambda a: _varying(a, bn_axes), bn)
             outs = [zeros_buf(b) for b in range(S - 1)]
             if k < S - 1:
                 outs[k] = _varying(y.astype(shapes[k].dtype), axes)
@@ -482,3 +487,98 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     (_, (sums, bn_sums)), grads = jax.value_and_grad(objective, has_aux=True)(p)
     models.check_batch_stats(batch_stats, rules)
     return grads, sums, bn_sums, rules
+
+
+# -- the pipelined train step ---------------------------------------------------------------
+
+
+def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_batch: int,
+                   num_microbatches: int, starts: Sequence[str] | None = None) -> StagePlan:
+    """Every check of a pipelined run, before anything is traced.
+
+    Args:
+      module: the model (a :class:`trjax.models.ResNet`, bare or in a
+        :class:`trjax.models.Network`).
+      image_shape: ``(H, W, C)``.
+      num_stages: S, the mesh's ``stage`` size.
+      local_batch: rows per data rank (``global_batch_size // data_size``).
+      num_microbatches: M.
+      starts: the block names that begin stages 1 .. S-1, or ``None`` (balanced).
+
+    Returns:
+      The :class:`StagePlan`.
+
+    Raises:
+      ValueError: not a trjax ResNet (naming the type and the way out), more
+        stages than residual blocks, ``M < S`` or ``M`` not dividing the local
+        batch (naming the valid counts), or bad ``starts``.
+    """
+    module = getattr(module, "module", module)
+    if not isinstance(module, models.ResNet):
+        raise ValueError(f"a 'stage' mesh axis splits trjax's own ResNets into stages; "
+                         f"{type(module).__name__} is not one: use config.model=resnet8/"
+                         "resnet20/resnet18_cifar/resnet18/resnet50, or a mesh without 'stage'")
+    valid = [m for m in range(num_stages, local_batch + 1) if local_batch % m == 0]
+    if num_microbatches < num_stages or local_batch % num_microbatches:
+        raise ValueError(f"config.pipeline_microbatches={num_microbatches} does not fit "
+                         f"{num_stages} stages and a local batch of {local_batch} rows: it must "
+                         f"be >= {num_stages} (else stages idle) and divide {local_batch}; "
+                         f"valid: {valid[:12]}")
+    return plan_stages(module, image_shape, num_stages, starts)
+
+
+def make_train_step(model, exchange, plan, world, bn_mode: str, num_microbatches: int,
+                    stages: StagePlan | None = None, remat: bool = True,
+                    dynamic_loss_scale: bool = False, growth_interval: int = 2000,
+                    loss_fn=None, label_smoothing: float = 0.0):
+    """``train_step(state, batch) -> (state, StepMetrics)`` on a ``("data",
+    "stage")`` world: GPipe (:func:`pipeline_forward_backward`), then the
+    data-parallel tail (:func:`trjax.steps.apply_gradients`).
+
+    The parameters are replicated over ``stage`` (design v1): a device's
+    gradient is nonzero on its stage's leaves only, so the two-bucket
+    exchange runs unchanged over ``("data", "stage")`` (deep bucket first,
+    the metrics inside it: the last stage's sums) and every device ends the
+    step with the same parameters. The BN sums: ``running`` mode all-reduces
+    them over ``("data", "stage")`` (the seed's one STATS_COMM); ``sync``
+    mode already summed each micro-batch's over ``data`` in the forward, and
+    all-reduces them over ``stage`` only. Each summed BN layer is owned by one
+    stage, so every device commits the same running statistics.
+
+    Args:
+      model, exchange, plan, world: as :func:`trjax.steps.make_train_step`;
+        ``world`` has axes ``("data", "stage")``; ``exchange`` must reduce with
+        ``lax.psum`` (``allreduce="xla"``, no compression, no ZeRO-1: the
+        trainer checks it).
+      bn_mode: ``running`` or ``sync``.
+      num_microbatches: M per step (each of ``local / M`` rows).
+      stages: the split (:func:`plan_stages`); ``None``: balanced.
+      remat: recompute each stage in the backward (store its inputs only).
+      dynamic_loss_scale, growth_interval, loss_fn, label_smoothing: as
+        :func:`trjax.steps.make_train_step`.
+
+    Raises:
+      ValueError: ``bn_mode`` other than running/sync, or a world without a
+        ``stage`` axis.
+    """
+    if bn_mode not in ("running", "sync"):
+        raise ValueError(f"bn_mode={bn_mode!r}: a pipeline keeps one set of running statistics "
+                         "(running or sync), not one row per replica")
+    names = [n for n, _ in world.axes]
+    if "stage" not in names:
+        raise ValueError(f"the world's mesh {world.axes} has no 'stage' axis")
+    data, grad_axis = world.axis_name, (world.axis_name, "stage")
+    stats = ("running", grad_axis) if bn_mode == "running" else ("running", "stage")
+    S = dict(world.axes)["stage"]
+
+    def local_step(state, batch):
+        scale = state.loss_scale if dynamic_loss_scale else None
+        grads, sums, bn_sums, rules = pipeline_forward_backward(
+            model, state.params, state.batch_stats, batch, num_microbatches, stages, scale,
+            bn_mode, data, "stage", S, loss_fn, label_smoothing, remat)
+        return apply_gradients(state, grads, sums, bn_sums, rules, plan, exchange, grad_axis,
+                               bn_mode, stats, dynamic_loss_scale, growth_interval)
+
+    specs = state_specs(bn_mode, data, exchange)
+    return jax.shard_map(local_step, mesh=world.mesh, in_specs=(specs, batch_spec(data)),
+                         out_specs=(specs, jax.sharding.PartitionSpec()), check_vma=True)

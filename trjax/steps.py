@@ -402,31 +402,60 @@ def make_train_step(model, exchange: GradientExchange, plan: MemoryPlan,
             grad_accumulation_steps, padding, bn_mode, axis,
             dropout_key(net.seed, state.step, lax.axis_index(axis)), loss_fn,
             label_smoothing, mixup_alpha, cutmix_alpha)
-        buffers = plan.pack(grads, lax.stop_gradient(sums))
-        up = exchange.update(buffers, state.params, state.opt_state, state.comm_state,
-                             state.step, scale, axis)
-        new_bs, finite = sync_batch_stats(old_bs, bn_sums, bn_mode, 0.9, up.last, up.finite,
-                                          axis, rules)
-        loss_scale, good_steps = state.loss_scale, state.good_steps
-        if dynamic_loss_scale:
-            loss_scale, good_steps = update_loss_scale(loss_scale, good_steps, finite,
-                                                       growth_interval)
-        keep = lambda new, old: jax.tree_util.tree_map(
-            lambda a, b: jnp.where(finite, a, b), new, old)
-        new_state = TrainState(
-            comm_state=keep(up.comm_state, state.comm_state),
-            step=state.step + 1,
-            params=keep(up.params, state.params),
-            batch_stats=keep(new_bs, state.batch_stats),
-            opt_state=keep(up.opt_state, state.opt_state),
-            skipped_steps=state.skipped_steps + (1 - finite.astype(jnp.int32)),
-            loss_scale=loss_scale, good_steps=good_steps)
-        return new_state, StepMetrics.from_sums(up.sums, finite.astype(jnp.float32),
-                                                loss_scale)
+        return apply_gradients(state, grads, sums, bn_sums, rules, plan, exchange, axis,
+                               bn_mode, (bn_mode, axis), dynamic_loss_scale, growth_interval)
 
     specs = state_specs(bn_mode, axis, exchange)
     return jax.shard_map(local_step, mesh=world.mesh, in_specs=(specs, batch_spec(axis)),
                          out_specs=(specs, P()), check_vma=exchange.check_vma)
+
+
+def apply_gradients(state: TrainState, grads, sums, bn_sums, rules, plan: MemoryPlan,
+                    exchange: GradientExchange, grad_axis, bn_mode: str, stats,
+                    dynamic_loss_scale: bool = False, growth_interval: int = 2000):
+    """Per device, the tail of every train step: steps 2-5 of the module docstring.
+
+    Args:
+      state: this device's view of the :class:`~trjax.state.TrainState`.
+      grads, sums, bn_sums, rules: from :func:`forward_backward` (or
+        :func:`trjax.pipeline.pipeline_forward_backward`): this device's
+        gradient SUMS (loss-scaled), metric sums ``[4]``, BN batch sums.
+      plan, exchange: pack the gradients and metric sums into the buckets and
+        exchange them over ``grad_axis`` (an axis name or a tuple of them:
+        ``("data", "stage")`` for a pipeline whose devices each hold part of
+        the gradient).
+      bn_mode: the state's BN layout (``local``: one row per replica).
+      stats: ``(mode, axis)`` for :func:`sync_batch_stats`: how the BN sums
+        still have to be reduced (``running``: all-reduced over ``axis``;
+        ``local`` only with ``bn_mode="local"``).
+      dynamic_loss_scale, growth_interval: see :func:`make_train_step`.
+
+    Returns:
+      ``(new_state, StepMetrics)``: the update is skipped (every leaf kept)
+      when the reduced gradient or statistics are not finite.
+    """
+    scale = state.loss_scale if dynamic_loss_scale else None
+    old_bs = _local_stats(state.batch_stats, bn_mode)
+    buffers = plan.pack(grads, lax.stop_gradient(sums))
+    up = exchange.update(buffers, state.params, state.opt_state, state.comm_state,
+                         state.step, scale, grad_axis)
+    new_bs, finite = sync_batch_stats(old_bs, bn_sums, stats[0], 0.9, up.last, up.finite,
+                                      stats[1], rules)
+    loss_scale, good_steps = state.loss_scale, state.good_steps
+    if dynamic_loss_scale:
+        loss_scale, good_steps = update_loss_scale(loss_scale, good_steps, finite,
+                                                   growth_interval)
+    keep = lambda new, old: jax.tree_util.tree_map(
+        lambda a, b: jnp.where(finite, a, b), new, old)
+    new_state = TrainState(
+        comm_state=keep(up.comm_state, state.comm_state),
+        step=state.step + 1,
+        params=keep(up.params, state.params),
+        batch_stats=keep(new_bs, state.batch_stats),
+        opt_state=keep(up.opt_state, state.opt_state),
+        skipped_steps=state.skipped_steps + (1 - finite.astype(jnp.int32)),
+        loss_scale=loss_scale, good_steps=good_steps)
+    return new_state, StepMetrics.from_sums(up.sums, finite.astype(jnp.float32), loss_scale)
 
 
 def make_fold_bn(world: World, bn_mode: str, model=None) -> Callable:

@@ -39,6 +39,13 @@ def get_config() -> ml_collections.ConfigDict:
     #                                "xla"; auto: im2col on CPU (trjax.cpu.im2col)
     c.cpu_reuse_memory = False     # glibc keeps freed host memory: no page faults per step;
     #                                pays for big models only (trjax.cpu.host)
+    c.mesh = ""                    # "" (one data axis over every device), or named axes,
+    #                                data outermost: "data:2,stage:4" (pipeline) or
+    #                                "data:4,model:2" (tensor parallel); docs/parallelism.md
+    c.pipeline_microbatches = 0    # micro-batches per step on a 'stage' mesh (0: 4 x stages)
+    c.pipeline_stage_starts = ""   # "" (balanced by MACs) or the blocks that begin stages
+    #                                1..S-1, e.g. "stage2_block1,stage3_block1"
+    c.pipeline_remat = True        # recompute each stage in the backward (keeps its inputs only)
     c.global_batch_size = 128
     c.eval_batch_size = 128        # global; must divide by the world size too
     # model

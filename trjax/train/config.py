@@ -25,7 +25,7 @@ from trjax.batchnorm import BN_MODES
 from trjax.exchange import ALLREDUCE_CHOICES
 from trjax.plan import BUCKET_POLICIES
 from trjax.precision import PRECISIONS
-from trjax.world import check_batch_split
+from trjax.world import check_batch_split, parse_mesh
 
 @dataclasses.dataclass(frozen=True)
 class Key:
@@ -80,6 +80,10 @@ KEYS = {
     "cpu_convolutions": Key("choice", host.CPU_CONVOLUTIONS, **_WHERE),
     "conv_lowering": Key("choice", im2col.LOWERINGS, **_WHERE),
     "cpu_reuse_memory": Key("bool", **_WHERE),
+    "mesh": Key("str", **_WHERE),  # checked by trjax.world.parse_mesh and check_mesh
+    "pipeline_microbatches": Key("int", 0, hint=" (0: 4 x stages)"),
+    "pipeline_stage_starts": Key("str"),  # checked by trjax.pipeline.plan_stages
+    "pipeline_remat": Key("bool"),
     "global_batch_size": Key("int", 1, **_MATCH),
     "eval_batch_size": Key("int", 1),
     # model
@@ -243,6 +247,7 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
         raise ValueError(f"config.compression_start_step={c.compression_start_step!r} needs a "
                          "compression (config.compression='none'); set it to 0 or choose one "
                          f"of {list(compression.COMPRESSORS)}")
+    check_mesh(c)
     if world_size is None:
         return
     check_batch_split(c.global_batch_size, world_size, "config.global_batch_size")
@@ -255,6 +260,73 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
             world_size % c.allreduce_local_size:
         raise ValueError(f"config.allreduce_local_size={c.allreduce_local_size!r} must divide "
                          f"the world size {world_size} (devices per node; 0: per process)")
+
+
+def mesh_axes(config) -> dict:
+    """``{axis: size}`` of ``config.mesh`` (``{}`` for the 1-D default "")."""
+    return dict(parse_mesh(config.mesh)) if config.mesh else {}
+
+
+def pipeline_microbatches(config) -> int:
+    """M: ``config.pipeline_microbatches``, or 4 x stages when it is 0 (GPipe's
+    rule of thumb, Huang et al. 2019: the bubble is small for M >= 4 S)."""
+    stages = mesh_axes(config).get("stage", 1)
+    return config.pipeline_microbatches or 4 * stages
+
+
+def check_mesh(config) -> None:
+    """The combinations a model-parallel mesh allows, before anything is traced.
+
+    A ``stage`` axis (pipeline, :mod:`trjax.pipeline`) or a ``model`` axis
+    (tensor parallel, :mod:`trjax.tensor`) runs the built-in ResNets with BN in
+    ``running`` or ``sync`` mode, XLA's all-reduce (``lax.psum`` over the
+    axes), no compression and no ZeRO-1; a pipeline's micro-batches replace
+    ``grad_accumulation_steps``, and mixup/cutmix (which mix rows across a
+    micro-batch) are not supported on it; tensor parallelism needs an
+    elementwise optimizer (a split layer's norm would need a sum over
+    ``model``: no LARS, no ``grad_clip_norm``). The pipeline keys are an error
+    without a ``stage`` axis.
+
+    Raises:
+      ValueError: naming the key, its value and the fix.
+    """
+    c = config
+    axes = mesh_axes(c)
+    stage, model = axes.get("stage", 1) > 1, axes.get("model", 1) > 1
+    if not stage:
+        for key, off in (("pipeline_microbatches", 0), ("pipeline_stage_starts", "")):
+            if c[key] != off:
+                raise ValueError(f"config.{key}={c[key]!r} applies to a mesh with a 'stage' "
+                                 f"axis (config.mesh={c.mesh!r}); set it to {off!r} or use e.g. "
+                                 "mesh='data:2,stage:4'")
+    if not (stage or model):
+        return
+    if stage and model:
+        raise ValueError(f"config.mesh={c.mesh!r}: pipeline and tensor parallelism together "
+                         "(a 3-D mesh) are not supported yet; use 'data:D,stage:S' or "
+                         "'data:D,model:T'")
+    kind = "a 'stage' axis (pipeline)" if stage else "a 'model' axis (tensor parallel)"
+    if is_import_path(c.model):
+        raise ValueError(f"config.mesh={c.mesh!r}: {kind} splits trjax's own ResNets; "
+                         f"config.model={c.model!r} is your own model: use a built-in model "
+                         f"({sorted(models.MODELS)}) or a mesh with the data axis only")
+    wants = [("bn_mode", c.bn_mode in ("running", "sync"), "'running' or 'sync'"),
+             ("allreduce", c.allreduce == "xla", "'xla'"),
+             ("compression", c.compression == "none", "'none'"),
+             ("shard_optimizer_state", not c.shard_optimizer_state, "False")]
+    if stage:
+        wants += [("grad_accumulation_steps", c.grad_accumulation_steps == 1,
+                   "1 (the pipeline's micro-batches are its accumulation: "
+                   "config.pipeline_microbatches)"),
+                  ("mixup_alpha", not c.mixup_alpha, "0"), ("cutmix_alpha", not c.cutmix_alpha, "0")]
+    if model:
+        wants += [("optimizer", c.optimizer in ("sgd", "adamw"), "'sgd' or 'adamw'"),
+                  ("grad_clip_norm", not c.grad_clip_norm, "0")]
+    for key, ok, fix in wants:
+        if not ok:
+            raise ValueError(f"config.{key}={c[key]!r} is not supported with {kind} "
+                             f"(config.mesh={c.mesh!r}): set it to {fix}, or use a mesh with "
+                             "the data axis only")
 
 
 MODEL_ARGS = ("num_classes", "bn_mode", "axis_name", "bn_momentum", "dtype", "conv_lowering")

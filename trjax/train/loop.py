@@ -36,6 +36,7 @@ import numpy as np
 from trjax.cpu import host
 from trjax.data import input_pipeline
 from trjax.train import checkpoint, compilation, distributed, loop_io, metrics_log, stops
+from trjax.train import config as config_lib
 from trjax.train.trainer import Trainer, checkpoint_keys, evaluate_pass, prepare, setup
 from trjax.train.workdir import check_writable, holds_workdir
 from trjax.world import host_value
@@ -176,11 +177,19 @@ def check_workdir(config, workdir: str, tr: Trainer, expect: dict) -> bool:
 def _announce(tr: Trainer, compiles, say) -> None:
     """The start-up lines: the world, the buckets, the compilation cache's use."""
     world, plan, config = tr.world, tr.plan, tr.config
-    say(f"world_size={world.world_size} devices={[d.id for d in world.devices]} "
+    mesh = ",".join(f"{n}:{k}" for n, k in world.axes)
+    say(f"world_size={world.world_size} mesh={mesh} devices={[d.id for d in world.devices]} "
         f"({world.devices[0].platform}, {jax.process_count()} process(es)) "
         f"global_batch={world.global_batch_size} local_batch={world.local_batch_size} "
         f"bn_mode={config.bn_mode} precision={config.precision} "
         f"train_padding_mask={not tr.full_batches}")
+    if tr.stages is not None:
+        st = tr.stages
+        say(f"pipeline: {st.num_stages} stages x {config_lib.pipeline_microbatches(config)} "
+            "micro-batches (GPipe), stage MAC shares "
+            + "/".join(f"{100 * x:.1f}%" for x in st.shares)
+            + f" (max/mean {st.imbalance:.2f}), stages begin at "
+            + ", ".join(st.blocks[lo] for lo, _ in st.bounds))
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
                                 for b, n in plan.bucket_elements.items()) +
         f"; the four steps built in {sum(c.compile_s for c in tr.compiled):.1f}s")
@@ -416,6 +425,9 @@ class Run:
             **{f"val_{k}": val[k] for k in ("ema_top1", "ema_top5", "ema_loss") if k in val},
             "val_examples": val["count"],
             "world_size": world.world_size, "process_count": jax.process_count(),
+            "mesh": ",".join(f"{n}:{k}" for n, k in world.axes),
+            **({"pipeline_microbatches": config_lib.pipeline_microbatches(config),
+                "pipeline_stage_shares": list(tr.stages.shares)} if tr.stages else {}),
             "global_batch_size": world.global_batch_size,
             "local_batch_size": world.local_batch_size, "platform": world.devices[0].platform,
             "cpu_convolutions": host.convolution_library(),

@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import aot, models, optim, steps
+from trjax import aot, models, optim, pipeline, steps
 from trjax.data import input_pipeline
 from trjax.train import config as config_lib
 from trjax import exchange as exchange_lib
@@ -40,6 +40,8 @@ class Trainer:
     no training batch holds a padding row
     (:func:`trjax.data.input_pipeline.train_batches_full`), so the train step is
     compiled without BatchNorm's padding mask; the loop refuses a batch with one.
+    ``stages``: on a mesh with a ``stage`` axis, the pipeline's split of the
+    model (:func:`trjax.pipeline.check_pipeline`), else ``None``.
     ``loss_fn``, ``transform``: the user's training loss and per-example
     augmentation (:func:`prepare`), or ``None``."""
     config: Any
@@ -52,6 +54,7 @@ class Trainer:
     steps_per_epoch: int
     dtype: Any
     full_batches: bool = False
+    stages: pipeline.StagePlan | None = None
     loss_fn: Any = None
     transform: Any = None
     state: Any = None
@@ -117,8 +120,8 @@ def prepare(config: ml_collections.ConfigDict,
         ``loss_fn`` / ``transform`` that is not callable.
     """
     config_lib.validate(config)
-    world = make_world(config.devices, config.global_batch_size)
-    config_lib.validate(config, world.world_size)
+    world = make_world(config.devices, config.global_batch_size, mesh=config.mesh or None)
+    config_lib.validate(config, world.data_size)
     if data is None:
         data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size,
                                            verify=config.verify_images,
@@ -140,6 +143,13 @@ def prepare(config: ml_collections.ConfigDict,
     model = models.wrap(model, image_shape=data.image_shape, num_classes=data.num_classes,
                         mean=data.mean, std=data.std, dtype=dtype, seed=config.seed,
                         check=not builtin)
+    stages = None
+    if "stage" in dict(world.axes):
+        starts = [b.strip() for b in config.pipeline_stage_starts.split(",") if b.strip()]
+        stages = pipeline.check_pipeline(model.module, data.image_shape, dict(world.axes)["stage"],
+                                         world.local_batch_size,
+                                         config_lib.pipeline_microbatches(config),
+                                         starts or None)
     plan = build_plan(model, data.image_shape, config.buckets)
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
@@ -157,7 +167,7 @@ def prepare(config: ml_collections.ConfigDict,
         input_pipeline.check_transform(transform, data.train, data.image_shape, seed=config.seed,
                                        workers=config.data_workers)
     return Trainer(config, world, data, model, plan, schedule, exchange, train_steps, dtype, full,
-                   loss_fn=loss_fn, transform=transform)
+                   stages=stages, loss_fn=loss_fn, transform=transform)
 
 
 def data_identity(split) -> dict:
@@ -240,22 +250,15 @@ def setup(config: ml_collections.ConfigDict,
                                               sharding=world.sharded()),
                 "label": jax.ShapeDtypeStruct((n,), np.int32, sharding=world.sharded()),
                 "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
-    acc_shape = jax.ShapeDtypeStruct((world.world_size, len(METRICS)), np.float32,
+    acc_shape = jax.ShapeDtypeStruct((world.data_size, len(METRICS)), np.float32,
                                      sharding=world.sharded())
     # The state initialisation compiles and runs on a thread of its own while this one
     # traces and compiles the steps (XLA releases the GIL; docs/performance.md). Its
     # build is filed under the phase this thread is in (the copied context).
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trjax-init") as pool:
         pending_state = pool.submit(contextvars.copy_context().run, init.finish)
-        train_step = aot.compile_step(
-            "train_step", steps.make_train_step(
-                model, tr.exchange, plan, world, config.bn_mode, dynamic_loss_scale=fp16,
-                growth_interval=config.loss_scale_growth_interval,
-                grad_accumulation_steps=config.grad_accumulation_steps,
-                padding=not tr.full_batches, loss_fn=tr.loss_fn,
-                label_smoothing=config.label_smoothing, mixup_alpha=config.mixup_alpha,
-                cutmix_alpha=config.cutmix_alpha),
-            init.abstract, example(world.global_batch_size), donate_argnums=0)
+        train_step = aot.compile_step("train_step", make_train_step(tr), init.abstract,
+                                      example(world.global_batch_size), donate_argnums=0)
         fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode, model),
                                    init.abstract)
         folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
@@ -268,6 +271,25 @@ def setup(config: ml_collections.ConfigDict,
     return dataclasses.replace(tr, plan=plan.with_memory(train_step.memory()), state=state,
                                train_step=train_step, fold_bn=fold_bn, eval_step=eval_step,
                                eval_reduce=eval_reduce)
+
+
+def make_train_step(tr: Trainer):
+    """The train step of ``tr``'s mesh, traced lazily: data parallel
+    (:func:`trjax.steps.make_train_step`) or, on a ``stage`` axis, GPipe
+    (:func:`trjax.pipeline.make_train_step`)."""
+    c, fp16 = tr.config, tr.config.precision == "fp16"
+    if tr.stages is not None:
+        return pipeline.make_train_step(
+            tr.model, tr.exchange, tr.plan, tr.world, c.bn_mode,
+            config_lib.pipeline_microbatches(c), tr.stages, remat=c.pipeline_remat,
+            dynamic_loss_scale=fp16, growth_interval=c.loss_scale_growth_interval,
+            loss_fn=tr.loss_fn, label_smoothing=c.label_smoothing)
+    return steps.make_train_step(
+        tr.model, tr.exchange, tr.plan, tr.world, c.bn_mode, dynamic_loss_scale=fp16,
+        growth_interval=c.loss_scale_growth_interval,
+        grad_accumulation_steps=c.grad_accumulation_steps, padding=not tr.full_batches,
+        loss_fn=tr.loss_fn, label_smoothing=c.label_smoothing, mixup_alpha=c.mixup_alpha,
+        cutmix_alpha=c.cutmix_alpha)
 
 
 def evaluate_pass(tr: Trainer, state, skipped: set | None = None, ema: bool = True) -> dict:
@@ -283,7 +305,7 @@ def evaluate_pass(tr: Trainer, state, skipped: set | None = None, ema: bool = Tr
     """
     world = tr.world
     folded = tr.fold_bn(state)
-    acc = world.put(np.zeros((world.world_size, len(METRICS)), np.float32), world.sharded())
+    acc = world.put(np.zeros((world.data_size, len(METRICS)), np.float32), world.sharded())
     rows = world.process_rows(tr.config.eval_batch_size)
     for batch in input_pipeline.prefetch(input_pipeline.iterate_batches(
             tr.data.val, tr.config.eval_batch_size, shuffle=False, rows=rows,

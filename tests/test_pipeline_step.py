@@ -1,0 +1,156 @@
+"""Issue 31: the pipelined train step as the trainer builds it (config.mesh with a 'stage'
+axis), against the data-parallel step with grad_accumulation_steps = M on the same data
+devices, and the config checks of model-parallel meshes.
+
+The oracle. trjax.steps.make_train_step with grad_accumulation_steps = M on D devices groups
+the rows of each data rank exactly as the pipeline's micro-batches (rows [j mu, (j+1) mu) of
+the local batch) and normalises each micro-batch with its own BatchNorm statistics; the
+running statistics add every micro-batch's sums once per step in both. Both start from the
+same parameters (rank 0's key does not depend on the world). The two programs sum in other
+orders, so values agree within helpers.reorder_rounding_bound and counts bitwise."""
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import assert_within_reorder_rounding, small_config, to_host
+from trjax.data import input_pipeline
+from trjax.train import config as config_lib
+from trjax.train import trainer
+
+GLOBAL = 32
+
+
+def _batches(n, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        b = {"image": rng.integers(0, 17, (GLOBAL, 8, 8, 1)).astype(np.uint8),
+             "label": rng.integers(0, 10, GLOBAL).astype(np.int32),
+             "mask": np.ones(GLOBAL, np.float32)}
+        b["mask"][[3, 20, 21]] = 0  # padding rows on both data ranks
+        out.append(b)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _trainer(bn_mode, mesh=None):
+    kw = dict(global_batch_size=GLOBAL, eval_batch_size=GLOBAL, bn_mode=bn_mode, warmup_epochs=0)
+    if mesh:
+        size = np.prod([int(a.split(":")[1]) for a in mesh.split(",")])
+        cfg = small_config(devices=str(size), mesh=mesh, pipeline_microbatches=4, **kw)
+    else:
+        cfg = small_config(devices="2", grad_accumulation_steps=4, **kw)
+    return trainer.setup(cfg)
+
+
+def _run(tr, n, keep=(1,)):
+    """n steps from the trainer's state (donated); the host states after the steps in
+    ``keep`` and the last, and every step's metrics."""
+    state, states, metrics = tr.state, {}, []
+    for i, b in enumerate(_batches(n), 1):
+        state, m = tr.train_step(state, input_pipeline.to_device(
+            b, tr.world.sharded(), tr.data.num_classes, tr.dtype))
+        metrics.append(to_host(m))
+        if i in keep or i == n:
+            states[i] = to_host(state)
+    return states, metrics
+
+
+@pytest.mark.parametrize("bn_mode,mesh", [("running", "data:2,stage:2"),
+                                          ("sync", "data:2,stage:3")])
+def test_pipelined_step_equals_gradient_accumulation(bn_mode, mesh):
+    """One step and 12 steps: parameters, BN running statistics, optimizer state and the
+    metric sums of data:2,stage:S (GPipe, M = 4, remat) equal the data-parallel step on 2
+    devices with grad_accumulation_steps = 4, within the reordered-sum bound; counts exact."""
+    pp, dp = _trainer(bn_mode, mesh), _trainer(bn_mode)
+    assert pp.stages is not None and pp.world.data_size == 2 and pp.world.world_size > 2
+    start = to_host(dp.state)
+    for bits_a, bits_b in zip(jax.tree_util.tree_leaves(to_host(pp.state.params)),
+                              jax.tree_util.tree_leaves(start.params)):
+        np.testing.assert_array_equal(bits_a, bits_b)  # the same initial parameters
+    rows = GLOBAL // 2 * 64  # rows x positions one data rank sums
+    got, got_m = _run(pp, 12)
+    ref, ref_m = _run(dp, 12)
+    tree = lambda s: (s.params, s.batch_stats, s.opt_state)
+    for n in (1, 12):
+        worst = assert_within_reorder_rounding(tree(got[n]), tree(ref[n]), tree(start), n, rows)
+        print(f"{bn_mode} {mesh} {n} steps: worst leaf / bound {worst:.3g}")
+        assert int(got[n].step) == n
+    assert got_m[0].top1 == ref_m[0].top1 and got_m[0].top5 == ref_m[0].top5
+    for a, b in zip(got_m, ref_m):
+        assert a.count == b.count == GLOBAL - 3 and a.finite == b.finite == 1
+        np.testing.assert_allclose(a.loss_sum, b.loss_sum, rtol=1e-5)
+
+
+def test_summary_and_announce_carry_the_mesh(tmp_path, capsys):
+    from trjax.train import train_and_evaluate
+    cfg = small_config(devices="4", mesh="data:2,stage:2", global_batch_size=GLOBAL,
+                       eval_batch_size=GLOBAL, num_epochs=1, halt_after_steps=2)
+    _, summary = train_and_evaluate(cfg, str(tmp_path / "run"))
+    assert summary["mesh"] == "data:2,stage:2" and summary["pipeline_microbatches"] == 8
+    assert summary["world_size"] == 4 and summary["local_batch_size"] == 16
+    np.testing.assert_allclose(sum(summary["pipeline_stage_shares"]), 1.0)
+    text = capsys.readouterr().out
+    assert "mesh=data:2,stage:2" in text and "pipeline: 2 stages x 8 micro-batches" in text
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(mesh="data:2,stage:2", bn_mode="local"), "config.bn_mode='local' is not supported "
+                                                   "with a 'stage' axis"),
+    (dict(mesh="data:2,stage:2", allreduce="ring"), "config.allreduce='ring'"),
+    (dict(mesh="data:2,stage:2", compression="bf16"), "config.compression='bf16'"),
+    (dict(mesh="data:2,stage:2", shard_optimizer_state=True), "shard_optimizer_state=True"),
+    (dict(mesh="data:2,stage:2", grad_accumulation_steps=2),
+     "the pipeline's micro-batches are its accumulation"),
+    (dict(mesh="data:2,stage:2", mixup_alpha=0.2), "config.mixup_alpha=0.2"),
+    (dict(mesh="data:2,stage:2", model="flax.linen:Dense"), "splits trjax's own ResNets"),
+    (dict(mesh="data:2,model:2", optimizer="lars"), "config.optimizer='lars' is not supported "
+                                                    "with a 'model' axis"),
+    (dict(mesh="data:2,model:2", grad_clip_norm=1.0), "config.grad_clip_norm=1.0"),
+    (dict(mesh="data:1,stage:2,model:2"), "a 3-D mesh"),
+    (dict(pipeline_microbatches=8), "applies to a mesh with a 'stage' axis"),
+    (dict(pipeline_stage_starts="stage2_block1"), "applies to a mesh with a 'stage' axis"),
+    (dict(mesh="data:2,pipe:2"), "axis 'pipe' is unknown"),
+])
+def test_model_parallel_config_errors(overrides, needle):
+    with pytest.raises(ValueError) as e:
+        config_lib.validate(small_config(**overrides))
+    assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("overrides,needle", [
+    (dict(mesh="data:2,stage:2", pipeline_microbatches=3),
+     "config.pipeline_microbatches=3 does not fit 2 stages and a local batch of 16 rows"),
+    (dict(mesh="data:2,stage:2", pipeline_microbatches=1), "must be >= 2"),
+    (dict(mesh="data:2,stage:4", devices="all"), "cannot split 3 residual blocks into 4 stages"),
+    (dict(mesh="data:2,stage:2", pipeline_stage_starts="stage9_block1"),
+     "stage starts ['stage9_block1'] are not blocks after the first"),
+    (dict(mesh="data:2,stage:3"), "has 2 x 3 = 6 devices but device spec '4' "
+                                               "selects 4"),
+])
+def test_pipeline_errors_before_any_compile(overrides, needle, monkeypatch):
+    from trjax import aot
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(ValueError) as e:
+        trainer.prepare(small_config(global_batch_size=GLOBAL, eval_batch_size=GLOBAL,
+                                     **{"devices": "4", **overrides}))
+    assert needle in str(e.value)
+
+
+def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path):
+    """data:2,stage:2: halted at step 6 (checkpoints 4 and 6), resumed to the end of the
+    epoch: the parameters, BN statistics, optimizer state and val top-1 are bitwise those
+    of the run never stopped."""
+    from trjax.train import train_and_evaluate
+    bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
+    cfg = dict(devices="4", mesh="data:2,stage:2", num_epochs=1, checkpoint_every_steps=4)
+    full, s_full = train_and_evaluate(small_config(**cfg), str(tmp_path / "full"))
+    _, s_cut = train_and_evaluate(small_config(halt_after_steps=6, **cfg), str(tmp_path / "cut"))
+    assert s_cut["halted"] and s_cut["steps"] == 6
+    resumed, s_res = train_and_evaluate(small_config(**cfg), str(tmp_path / "cut"))
+    assert s_res["steps"] == s_full["steps"] == 12
+    for name in ("params", "batch_stats", "opt_state"):
+        assert bits(getattr(resumed, name)) == bits(getattr(full, name)), name
+    assert s_res["val_top1"] == s_full["val_top1"]
