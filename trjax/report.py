@@ -54,7 +54,14 @@ def comm_report(tr) -> dict:
                            async_collectives=None)
             continue
         cols = comm.label_collectives(comm.collectives_in_hlo(text), labels)
+        mesh = tr.world.mesh
+        for c in cols:
+            axis = comm.axis_of(c, mesh)
+            c["axis"] = "+".join(axis) if isinstance(axis, tuple) else axis
         out[step.name] = {"collectives": cols, "count": len(cols),
+                          "by_axis": {("+".join(a) if isinstance(a, tuple) else str(a)):
+                                      {"count": v["count"], "bytes": v["bytes"]}
+                                      for a, v in comm.by_axis(cols, mesh).items()},
                           "compiled_bytes": sum(c["bytes"] for c in cols),
                           "requested": {"count": len(req), "bytes": sum(c["bytes"] for c in req),
                                         "dtypes": sorted({o["dtype"] for c in req
@@ -76,8 +83,16 @@ def comm_report(tr) -> dict:
                                                        if len(c["operands"]) == 1) == \
                 sorted(plan.bucket_elements.values())
     grad_bytes = sum(plan.bucket_bytes(b) for b in plan.bucket_elements)
-    out["traffic_per_rank_bytes"] = {"gradients": comm.ring_traffic_bytes(grad_bytes, n),
-                                     "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes}
+    # the gradient all-reduce spans the data axis, and the stage axis while the parameters
+    # are replicated over it (trjax.pipeline, design v1)
+    axes = dict(tr.world.axes)
+    n_grad = n if len(axes) == 1 else tr.world.data_size * axes.get("stage", 1)
+    out["mesh"] = ",".join(f"{a}:{k}" for a, k in tr.world.axes)
+    out["traffic_per_rank_bytes"] = {"gradients": comm.ring_traffic_bytes(grad_bytes, n_grad),
+                                     "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes,
+                                     "N": n_grad}
+    if getattr(tr, "stages", None) is not None:
+        out["traffic_per_rank_bytes"]["pipeline"] = _pipeline_model(tr)
     out["cost_model"] = {
         alg: [{"bucket": b, **allreduce.cost_model(alg, plan.bucket_bytes(b), n)}
               for b in plan.bucket_elements]
@@ -86,9 +101,27 @@ def comm_report(tr) -> dict:
     return out
 
 
+def _pipeline_model(tr) -> dict:
+    """The GPipe point-to-point model (:func:`trjax.comm.pipeline_bytes`) of a
+    pipelined trainer: useful bytes per data replica's pipeline per step, and
+    what the loop issues (M + S - 1 permutes per boundary and direction)."""
+    from trjax import pipeline  # noqa: PLC0415 -- only for pipelined trainers
+    from trjax.train import config as config_lib  # noqa: PLC0415
+    st = tr.stages
+    layout = pipeline.block_layout(tr.model.module, tr.data.image_shape)
+    shapes = [layout[hi - 1]["out_shape"] for _, hi in st.bounds[:-1]]
+    m = config_lib.pipeline_microbatches(tr.config)
+    mu = tr.world.local_batch_size // m
+    itemsize = 2 if tr.config.precision in ("bf16", "fp16") else 4
+    useful = comm.pipeline_bytes(m, mu, shapes, itemsize)
+    return {"formula": "sum_b 2 M mu |a_b|", "microbatches": m, "micro_batch": mu,
+            "boundary_shapes": [list(x) for x in shapes], "useful_bytes": useful,
+            "issued_bytes": useful * (m + st.num_stages - 1) // m}
+
+
 def format_report(r: dict) -> str:
     """A human-readable table of :func:`comm_report`'s result."""
-    lines = [f"world_size={r['world_size']} model={r['model']} bn_mode={r['bn_mode']} "
+    lines = [f"world_size={r['world_size']} mesh={r['mesh']} model={r['model']} bn_mode={r['bn_mode']} "
              f"buckets={r['policy']} allreduce={r['allreduce']} compression={r['compression']}",
              "(#N = position in the compiled schedule; 'requested' = as the program asked, "
              "before XLA's passes)"]
@@ -105,10 +138,14 @@ def format_report(r: dict) -> str:
                          f"({q['bytes']} B{dtypes})")
             continue
         for c in r[name]["collectives"]:
-            where = "" if c["computation"] == "ENTRY" else f" (in {c['computation']}, per iteration)"
+            where = "" if c["computation"] == "ENTRY" else \
+                f" (in {c['computation']}, x{c.get('trip_count')} per step)"
             where += f" (async, done at #{c['done_position']})" if c.get("async") else ""
             lines.append(f"  #{c['position']:<5d} {c['kind']:12s} {c['elements']:>10d} el "
-                         f"{c['bytes']:>11d} B  {' + '.join(c['carries'])}{where}")
+                         f"{c['bytes']:>11d} B  over {c['axis']}  "
+                         f"{' + '.join(c['carries'])}{where}")
+        for axis, v in r[name]["by_axis"].items():
+            lines.append(f"  over {axis}: {v['count']} issued per step, {v['bytes']} B")
     lines.append(f"gradient all-reduces: {r['gradient_all_reduces']}; deep bucket before the "
                  f"first conv's weight gradient: {r['deep_before_first_conv_wgrad']} "
                  f"(wgrad at {r['first_conv_wgrad_positions']})")
@@ -120,5 +157,10 @@ def format_report(r: dict) -> str:
             f"{x['time_s'] * 1e6:.1f} us" for x in rows))
     t = r["traffic_per_rank_bytes"]
     lines.append(f"ring model: {t['formula']} = {t['gradients']:.0f} B per rank per step "
-                 f"(|g| = {t['g_bytes']} B)")
+                 f"(|g| = {t['g_bytes']} B, N = {t['N']})")
+    if "pipeline" in t:
+        p = t["pipeline"]
+        lines.append(f"pipeline model: {p['formula']} = {p['useful_bytes']} B per step "
+                     f"(M={p['microbatches']}, mu={p['micro_batch']}, boundaries "
+                     f"{p['boundary_shapes']}); the loop issues {p['issued_bytes']} B")
     return "\n".join(lines)
