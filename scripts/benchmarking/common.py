@@ -75,6 +75,13 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="--profile children: a data set of two batches and one example, so "
                         "that the trainer keeps BatchNorm's padding mask in the train step "
                         "(the batches timed are full either way)")
+    p.add_argument("--parallel", action="store_true",
+                   help="data / pipeline / tensor parallel meshes side by side on the same "
+                        "devices (default ResNet-50 at 224, global batch 8, 8 CPU devices)")
+    p.add_argument("--meshes", default="data:8;data:2,stage:4;data:4,model:2",
+                   help="--parallel: ';'-separated config.mesh values")
+    p.add_argument("--pipeline_microbatches", type=int, default=4,
+                   help="--parallel: micro-batches per step on a 'stage' mesh")
     p.add_argument("--time_to_accuracy", action="store_true",
                    help="the main job start to finish in fresh processes: trjax with a cold and "
                         "a warm compilation cache against its PyTorch DDP twin (--rounds N)")
@@ -104,7 +111,13 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
             if getattr(a, name) < 1:
                 p.error(f"--{name} {getattr(a, name)}: must be at least 1")
         return a
-    if a.gpu:
+    if a.parallel:
+        if a.gpu or a.profile:
+            p.error("--parallel is a mode of its own (not with --gpu / --profile)")
+        defaults = dict(model="resnet50", image="224,224,3", precision="fp32", num_classes=1000,
+                        global_batch=8, warmup=1, steps=2, rounds=2, world_sizes="8",
+                        variants="two")
+    elif a.gpu:
         defaults = dict(model="resnet50", image="224,224,3", precision="bf16", num_classes=1000,
                         variants="two,torch", warmup=3, steps=10, rounds=3, world_sizes="all")
         if a.dry_run:

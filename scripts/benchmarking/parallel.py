@@ -1,0 +1,137 @@
+"""``--parallel``: data, pipeline and tensor parallelism side by side on the same devices.
+
+Per mesh shape (``--meshes``, default ``data:8;data:2,stage:4;data:4,model:2``), one
+trainer is built by ``trjax.train.trainer.setup`` for the same model, image size and
+global batch; the train steps are then timed in interleaved rounds
+(:func:`benchmarking.variants.interleave`). Reported per mesh:
+
+* images/s (global batch / median step time);
+* XLA's memory statistics of the compiled train step per device (temp, argument,
+  output bytes; the state donated);
+* the collectives of the compiled step by mesh axis (:func:`trjax.comm.by_axis`:
+  issued per step, loop trip counts included), against the byte models
+  (:func:`trjax.comm.data_bytes`, :func:`trjax.comm.pipeline_bytes`);
+* for a pipeline: the analytic bubble ``(S-1)/(M+S-1)`` and the measured
+  masked-compute overhead ``t_pipeline / t_data - 1``.
+
+On simulated CPU devices every device shares the host's cores, so the step time is
+the SUM of every device's work: a pipeline's bubble ticks (which compute on masked
+zeros in the lock-step SPMD loop) and its recomputation (``pipeline_remat``) show up as
+extra work, ``(M+S-1)/M`` of the useful forward+backward plus one more forward,
+and nothing here measures an interconnect. These are compute and memory figures, not
+interconnect figures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+
+def _mesh_sizes(mesh: str) -> dict:
+    return {k: int(v) for k, v in (p.split(":") for p in mesh.split(","))}
+
+
+def parallel(a) -> dict:
+    import jax
+    from benchmarking.common import make_config, random_dataset
+    from benchmarking.variants import JaxVariant, interleave, summarize
+    from trjax import comm
+    from trjax.train import config as config_lib
+
+    meshes = [m.strip() for m in a.meshes.split(";") if m.strip()]
+    data = random_dataset(2 * a.global_batch, a.image, a.num_classes)
+    variants, rows = {}, []
+    for mesh in meshes:
+        sizes = _mesh_sizes(mesh)
+        n = 1
+        for v in sizes.values():
+            n *= v
+        c = make_config(a, n, "two")
+        c.mesh = mesh
+        c.num_epochs = 1
+        if "stage" in sizes:
+            c.pipeline_microbatches = a.pipeline_microbatches
+        t0 = time.perf_counter()
+        v = JaxVariant(mesh, c, data, memory_compare=False)
+        tr = v.tr
+        cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled)) or []
+        per_axis = {("+".join(k) if isinstance(k, tuple) else str(k)):
+                    {"count": r["count"], "bytes": r["bytes"]}
+                    for k, r in comm.by_axis(cols, tr.world.mesh).items()}
+        n_grad = tr.world.data_size * sizes.get("stage", 1)
+        row = {"mesh": mesh, "world_size": n, "local_batch": tr.world.local_batch_size,
+               "build_s": time.perf_counter() - t0, "compile_s": tr.train_step.compile_s,
+               "memory": tr.train_step.memory(), "by_axis": per_axis,
+               "model_bytes": {"data": comm.data_bytes(tr.plan.gradient_bytes, n_grad),
+                               "data_N": n_grad}}
+        if tr.stages is not None:
+            S, M = tr.stages.num_stages, config_lib.pipeline_microbatches(c)
+            row["stages"] = {"shares": list(tr.stages.shares),
+                             "imbalance": tr.stages.imbalance,
+                             "microbatches": M, "bubble": (S - 1) / (M + S - 1),
+                             "remat": bool(c.pipeline_remat)}
+            from trjax import pipeline
+            layout = pipeline.block_layout(tr.model.module, data.image_shape)
+            shapes = [layout[hi - 1]["out_shape"] for _, hi in tr.stages.bounds[:-1]]
+            row["model_bytes"]["stage_useful"] = comm.pipeline_bytes(
+                M, tr.world.local_batch_size // M, shapes, 4 if a.precision == "fp32" else 2)
+            row["model_bytes"]["stage_issued"] = row["model_bytes"]["stage_useful"] * (M + S - 1) // M
+        print(f"  {mesh}: built in {row['build_s']:.1f} s; temp "
+              f"{row['memory'].get('temp', 0) / 2**20:.1f} MiB/device", flush=True)
+        variants[mesh], rows = v, rows + [row]
+    times = interleave(variants, a.rounds, a.steps, a.warmup)
+    base = None
+    for row in rows:
+        row.update({k: v for k, v in summarize(times[row["mesh"]], a.global_batch).items()
+                    if k != "times"})
+        if row["mesh"].count(":") == 1:
+            base = row
+    for row in rows:
+        if base is not None and "stages" in row:
+            row["stages"]["measured_overhead"] = row["median_step_s"] / base["median_step_s"] - 1
+    for v in variants.values():
+        v.close()
+    out = {"meta": {"model": a.model, "image": list(a.image), "global_batch": a.global_batch,
+                    "precision": a.precision, "num_classes": a.num_classes,
+                    "platform": jax.devices()[0].platform, "devices": len(jax.devices()),
+                    "cpu_cores": os.cpu_count(), "jax": jax.__version__,
+                    "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
+                    "note": "simulated CPU devices share the host's cores: compute and memory "
+                            "figures, not interconnect figures"},
+           "results": rows}
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, "parallel.json"), "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    text = markdown(out)
+    with open(os.path.join(a.out, "parallel.md"), "w") as f:
+        f.write(text)
+    print(text)
+    return out
+
+
+def markdown(out: dict) -> str:
+    m = out["meta"]
+    mib = lambda x: f"{(x or 0) / 2**20:.1f}"
+    lines = [f"{m['model']} {tuple(m['image'])} global batch {m['global_batch']} {m['precision']}, "
+             f"{m['devices']} {m['platform']} devices ({m['cpu_cores']} cores), jax {m['jax']}; "
+             f"{m['rounds']} rounds x {m['steps']} steps. {m['note']}.", "",
+             "| mesh | local batch | images/s | s/step | temp MiB/dev | argument MiB/dev | "
+             "output MiB/dev | bubble (S-1)/(M+S-1) | measured overhead | bytes/step by axis "
+             "(issued) | model |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in out["results"]:
+        mem, st = r["memory"], r.get("stages")
+        axes = "; ".join(f"{k}: {v['count']} x, {v['bytes']} B" for k, v in r["by_axis"].items())
+        model = f"data 2(N-1)/N\\|g\\| = {r['model_bytes']['data']:.0f} B (N={r['model_bytes']['data_N']})"
+        if st:
+            model += (f"; stage 2 M mu \\|a\\| = {r['model_bytes']['stage_useful']} B useful, "
+                      f"{r['model_bytes']['stage_issued']} B issued")
+        bubble = f"{st['bubble']:.3f} (M={st['microbatches']})" if st else ""
+        overhead = f"{st['measured_overhead']:+.2f}" if st and "measured_overhead" in st else ""
+        lines.append(
+            f"| {r['mesh']} | {r['local_batch']} | {r['images_per_s']:.1f} | "
+            f"{r['median_step_s']:.3f} | {mib(mem.get('temp'))} | "
+            f"{mib(mem.get('argument'))} | {mib(mem.get('output'))} | "
+            f"{bubble} | {overhead} | {axes} | {model} |")
+    return "\n".join(lines) + "\n"
