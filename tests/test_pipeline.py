@@ -177,7 +177,7 @@ def _reference(M, bn_mode="running"):
     return jax.device_get(out)
 
 
-def _pipelined(S, M, bubble_fill=0.0, remat=False, bn_mode="running"):
+def _pipelined(S, M, bubble_fill=0.0, remat=False, bn_mode="running", schedule="gpipe"):
     module, net, params, bs, batch, L = _setup(M, bn_mode)
     world = make_world(D * S, D * L, mesh=f"data:{D},stage:{S}")
     plan = pipeline.plan_stages(module, IMAGE, S)
@@ -185,7 +185,7 @@ def _pipelined(S, M, bubble_fill=0.0, remat=False, bn_mode="running"):
     def local(p, b):
         g, s, bn, _ = pipeline.pipeline_forward_backward(net, p, bs, b, M, plan,
                                                          bubble_fill=bubble_fill, remat=remat,
-                                                         bn_mode=bn_mode)
+                                                         bn_mode=bn_mode, schedule=schedule)
         return _lead(lax.psum((g, s, bn), "stage"))
     fn = jax.jit(jax.shard_map(local, mesh=world.mesh, in_specs=(P(), SPEC),
                                out_specs=P("data")))
@@ -193,8 +193,8 @@ def _pipelined(S, M, bubble_fill=0.0, remat=False, bn_mode="running"):
 
 
 @functools.lru_cache(maxsize=None)
-def _pipelined_run(S, M, bubble_fill=0.0, remat=False, bn_mode="running"):
-    fn, args, _ = _pipelined(S, M, bubble_fill, remat, bn_mode)
+def _pipelined_run(S, M, bubble_fill=0.0, remat=False, bn_mode="running", schedule="gpipe"):
+    fn, args, _ = _pipelined(S, M, bubble_fill, remat, bn_mode, schedule)
     return jax.device_get(fn(*args))
 
 
@@ -227,6 +227,40 @@ def test_gpipe_equals_gradient_accumulation(S, M, bn_mode):
     worst = _assert_equal_to_reference(_pipelined_run(S, M, bn_mode=bn_mode),
                                        _reference(M, bn_mode), L)
     print(f"S={S} M={M} {bn_mode}: worst leaf / bound {worst:.3g}")
+
+
+@pytest.mark.parametrize("S,M,bn_mode", [(2, 4, "running"), (3, 3, "sync"), (3, 4, "running")])
+def test_1f1b_equals_gradient_accumulation(S, M, bn_mode):
+    """1F1B (explicit per-micro-batch backward, stage inputs stashed) == the same reference
+    as GPipe: grads, metric sums, BN sums (counted in the forward slot only: a recompute
+    that counted them would double every layer's n, which the bitwise count check catches)."""
+    *_, L = _setup(M, bn_mode)
+    worst = _assert_equal_to_reference(_pipelined_run(S, M, bn_mode=bn_mode, schedule="1f1b"),
+                                       _reference(M, bn_mode), L)
+    print(f"1F1B S={S} M={M} {bn_mode}: worst leaf / bound {worst:.3g}")
+
+
+def test_1f1b_nan_in_bubbles_is_bitwise_zero_in_bubbles():
+    S, M = 3, 3
+    zero = _pipelined_run(S, M, 0.0, schedule="1f1b")
+    nan = _pipelined_run(S, M, float("nan"), schedule="1f1b")
+    for a, b in zip(jax.tree_util.tree_leaves(zero), jax.tree_util.tree_leaves(nan)):
+        np.testing.assert_array_equal(a, b)
+        assert np.isfinite(b).all()
+
+
+def test_1f1b_stash_does_not_grow_with_the_microbatches():
+    """XLA's temp memory of the compiled forward+backward: GPipe (with remat: every tick's
+    stage inputs kept for the backward) grows with M; 1F1B keeps a ring of 2S-1 stage inputs,
+    so going from M=4 to M=12 adds much less to it."""
+    temp = {}
+    for schedule in ("gpipe", "1f1b"):
+        for M in (4, 12):
+            fn, args, _ = _pipelined(2, M, remat=True, schedule=schedule)
+            temp[schedule, M] = fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+    print(temp)
+    grow = {k: temp[k, 12] - temp[k, 4] for k in ("gpipe", "1f1b")}
+    assert grow["1f1b"] < 0.5 * grow["gpipe"], (temp, grow)
 
 
 def test_each_device_holds_only_its_stage():

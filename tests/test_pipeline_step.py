@@ -8,8 +8,6 @@ the local batch) and normalises each micro-batch with its own BatchNorm statisti
 running statistics add every micro-batch's sums once per step in both. Both start from the
 same parameters (rank 0's key does not depend on the world). The two programs sum in other
 orders, so values agree within helpers.reorder_rounding_bound and counts bitwise."""
-import functools
-
 import jax
 import numpy as np
 import pytest
@@ -34,12 +32,12 @@ def _batches(n, seed=0):
     return out
 
 
-@functools.lru_cache(maxsize=None)
-def _trainer(bn_mode, mesh=None):
+def _trainer(bn_mode, mesh=None, schedule="gpipe"):
     kw = dict(global_batch_size=GLOBAL, eval_batch_size=GLOBAL, bn_mode=bn_mode, warmup_epochs=0)
     if mesh:
         size = np.prod([int(a.split(":")[1]) for a in mesh.split(",")])
-        cfg = small_config(devices=str(size), mesh=mesh, pipeline_microbatches=4, **kw)
+        cfg = small_config(devices=str(size), mesh=mesh, pipeline_microbatches=4,
+                           pipeline_schedule=schedule, **kw)
     else:
         cfg = small_config(devices="2", grad_accumulation_steps=4, **kw)
     return trainer.setup(cfg)
@@ -58,13 +56,15 @@ def _run(tr, n, keep=(1,)):
     return states, metrics
 
 
-@pytest.mark.parametrize("bn_mode,mesh", [("running", "data:2,stage:2"),
-                                          ("sync", "data:2,stage:3")])
-def test_pipelined_step_equals_gradient_accumulation(bn_mode, mesh):
+@pytest.mark.parametrize("bn_mode,mesh,schedule", [("running", "data:2,stage:2", "gpipe"),
+                                                   ("sync", "data:2,stage:3", "gpipe"),
+                                                   ("running", "data:2,stage:3", "1f1b")])
+def test_pipelined_step_equals_gradient_accumulation(bn_mode, mesh, schedule):
     """One step and 12 steps: parameters, BN running statistics, optimizer state and the
-    metric sums of data:2,stage:S (GPipe, M = 4, remat) equal the data-parallel step on 2
-    devices with grad_accumulation_steps = 4, within the reordered-sum bound; counts exact."""
-    pp, dp = _trainer(bn_mode, mesh), _trainer(bn_mode)
+    metric sums of data:2,stage:S (M = 4; GPipe with remat, or 1F1B) equal the
+    data-parallel step on 2 devices with grad_accumulation_steps = 4, within the
+    reordered-sum bound; counts exact."""
+    pp, dp = _trainer(bn_mode, mesh, schedule), _trainer(bn_mode)
     assert pp.stages is not None and pp.world.data_size == 2 and pp.world.world_size > 2
     start = to_host(dp.state)
     for bits_a, bits_b in zip(jax.tree_util.tree_leaves(to_host(pp.state.params)),
@@ -76,7 +76,7 @@ def test_pipelined_step_equals_gradient_accumulation(bn_mode, mesh):
     tree = lambda s: (s.params, s.batch_stats, s.opt_state)
     for n in (1, 12):
         worst = assert_within_reorder_rounding(tree(got[n]), tree(ref[n]), tree(start), n, rows)
-        print(f"{bn_mode} {mesh} {n} steps: worst leaf / bound {worst:.3g}")
+        print(f"{bn_mode} {mesh} {schedule} {n} steps: worst leaf / bound {worst:.3g}")
         assert int(got[n].step) == n
     assert got_m[0].top1 == ref_m[0].top1 and got_m[0].top5 == ref_m[0].top5
     for a, b in zip(got_m, ref_m):
@@ -93,7 +93,7 @@ def test_summary_and_announce_carry_the_mesh(tmp_path, capsys):
     assert summary["world_size"] == 4 and summary["local_batch_size"] == 16
     np.testing.assert_allclose(sum(summary["pipeline_stage_shares"]), 1.0)
     text = capsys.readouterr().out
-    assert "mesh=data:2,stage:2" in text and "pipeline: 2 stages x 8 micro-batches" in text
+    assert "mesh=data:2,stage:2" in text and "pipeline: 2 stages x 8 micro-batches (gpipe)" in text
 
 
 @pytest.mark.parametrize("overrides,needle", [
@@ -112,6 +112,8 @@ def test_summary_and_announce_carry_the_mesh(tmp_path, capsys):
     (dict(mesh="data:1,stage:2,model:2"), "a 3-D mesh"),
     (dict(pipeline_microbatches=8), "applies to a mesh with a 'stage' axis"),
     (dict(pipeline_stage_starts="stage2_block1"), "applies to a mesh with a 'stage' axis"),
+    (dict(pipeline_schedule="1f1b"), "applies to a mesh with a 'stage' axis"),
+    (dict(mesh="data:2,stage:2", pipeline_schedule="interleaved"), "is not one of"),
     (dict(mesh="data:2,pipe:2"), "axis 'pipe' is unknown"),
 ])
 def test_model_parallel_config_errors(overrides, needle):

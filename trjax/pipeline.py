@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import flax.linen as nn
@@ -293,6 +294,11 @@ def stage_modules(module: models.ResNet, plan: StagePlan) -> list[nn.Module]:
 
 # -- the pipelined forward + backward -------------------------------------------------------
 
+SCHEDULES = ("gpipe", "1f1b")
+"""Pipeline schedules (``config.pipeline_schedule``): GPipe (Huang et al. 2019) and
+1F1B (PipeDream-Flush: Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
+Training", ICML 2021; Megatron-LM's ``forward_backward_pipelining_without_interleaving``)."""
+
 
 def _varying(x, axes):
     """``x`` cast to varying over every axis of ``axes`` it is not varying over yet
@@ -313,7 +319,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
                               bn_mode: str = "running", data_axis: str = "data",
                               stage_axis: str = "stage", num_stages: int | None = None,
                               loss_fn=None, label_smoothing: float = 0.0,
-                              remat: bool = False, bubble_fill: float = 0.0):
+                              remat: bool = False, bubble_fill: float = 0.0,
+                              schedule: str = "gpipe"):
     """Per device, GPipe: gradients of the summed loss, metric sums, BN batch sums.
 
     Call inside ``jax.shard_map`` over a mesh with axes ``(data_axis,
@@ -350,6 +357,10 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         stage; stored per tick: its inputs only).
       bubble_fill: the value bubble slots' input buffers hold before masking
         (a test hook: NaN must give bitwise the same results as 0).
+      schedule: ``"gpipe"`` (all forwards, then autodiff's backward through
+        the tick loop) or ``"1f1b"`` (:func:`_one_f_one_b`: an explicit backward
+        per micro-batch, at most 2S - 1 stage inputs stashed per device instead
+        of every tick's; ``remat`` does not apply, its backward always recomputes).
 
     Returns:
       ``(grads, sums [4] float32, bn_sums, rules)`` as
@@ -383,6 +394,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     if M < S:
         raise ValueError(f"{M} micro-batches cannot fill {S} stages: use at least {S} "
                          f"(GPipe's rule of thumb: {4 * S})")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is not one of {SCHEDULES}")
     if plan is None:
         plan = plan_stages(module, image.shape[1:], S)
     if plan.num_stages != S:
@@ -457,6 +470,15 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
 
     branches = [branch(k) for k in range(S)]
     stage = lax.axis_index(stage_axis)
+    if schedule == "1f1b":
+        grads, sums, bn_sums = _one_f_one_b(
+            jax.tree_util.tree_map(lambda a: _varying(a, axes), params), branches, run_stage,
+            _Loop(S, M, mu, axes, stage_axis, stage, shapes, zeros_bn, zeros_buf,
+                  images[:M], labels[:M], masks[:M], bubble_fill),
+            lambda y, label, mask: _loss_sum(y, label, mask, loss_fn, label_smoothing,
+                                             loss_scale))
+        models.check_batch_stats(batch_stats, rules)
+        return grads, sums, bn_sums, rules
 
     def objective(p):
         def tick(carry, t):
@@ -487,6 +509,119 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     (_, (sums, bn_sums)), grads = jax.value_and_grad(objective, has_aux=True)(p)
     models.check_batch_stats(batch_stats, rules)
     return grads, sums, bn_sums, rules
+
+
+def _loss_sum(y, label, mask, loss_fn, label_smoothing, loss_scale):
+    """The last stage's metric sums and the (scaled) summed loss it differentiates."""
+    losses = None
+    if loss_fn is not None or label_smoothing > 0:
+        losses = example_losses(y, label, loss_fn, label_smoothing)
+    sums = batch_metrics(y, label, mask, losses)
+    return sums, (sums[0] if loss_scale is None else sums[0] * loss_scale)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Loop:
+    """What the 1F1B loop shares with GPipe's (built in :func:`pipeline_forward_backward`)."""
+    S: int
+    M: int
+    mu: int
+    axes: tuple
+    stage_axis: str
+    stage: jax.Array      # this device's stage index
+    shapes: list          # boundary b's activation (ShapeDtypeStruct of mu rows)
+    zeros_bn: object      # () -> every BN layer's zero sums
+    zeros_buf: object     # (b, value) -> boundary b's buffer
+    images: jax.Array     # [M, mu, H, W, C], standardised
+    labels: jax.Array     # [M, mu]
+    masks: jax.Array      # [M, mu]
+    fill: float           # the value unused buffers start with (bubble_fill)
+
+
+def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
+    """1F1B in one lock-step SPMD loop of ``M + 2S - 2`` ticks (PipeDream-Flush).
+
+    At tick ``t`` the device of stage ``s`` runs the forward (F) of micro-batch
+    ``t - s`` (its output to stage ``s + 1`` by ``ppermute``; its input stashed)
+    and then the backward (B) of micro-batch ``t - 2(S-1) + s``: the stage is
+    recomputed from the stashed input under ``jax.vjp`` and the input's
+    cotangent goes to stage ``s - 1`` by the reverse ``ppermute``; the last
+    stage's B seeds its cotangent from the loss of the micro-batch whose F it
+    has just run. So stage ``s`` holds at most ``2(S-1-s) + 1`` stashed inputs
+    (a ring of ``2S - 1`` flat slots, padded to the largest stage input),
+    whatever M, where GPipe's autodiff keeps every tick's. The schedule is the
+    same bubble as GPipe's, ``(S-1)/(M+S-1)``. BN's running-statistics sums
+    are counted in the F slot only, never in the recompute (torchgpipe's
+    ``is_recomputing``): the recompute's forward statistics equal the F
+    slot's (the same input and, in sync mode, the same psum).
+
+    Returns ``(grads, sums, bn_sums)`` as :func:`pipeline_forward_backward`.
+    """
+    S, M, mu, axes, stage = lp.S, lp.M, lp.mu, lp.axes, lp.stage
+    in_shapes = [lp.images.shape[1:]] + [b.shape for b in lp.shapes]
+    in_dtypes = [lp.images.dtype] + [b.dtype for b in lp.shapes]
+    width = max(math.prod(s) for s in in_shapes)
+    K = 2 * S - 1
+    dtype = jnp.result_type(*in_dtypes)
+    flat = lambda x: _varying(jnp.pad(x.reshape(-1).astype(dtype), (0, width - x.size)), axes)
+    zeros_grads = jax.tree_util.tree_map(lambda a: _varying(jnp.zeros_like(a), axes), p)
+
+    def backward(k):
+        def fn(x_flat, cots, mask, label, valid):
+            x_in = x_flat[:math.prod(in_shapes[k])].reshape(in_shapes[k]).astype(in_dtypes[k])
+            x_in = jnp.where(valid, x_in, jnp.zeros_like(x_in))
+            if k < S - 1:
+                y, vjp = jax.vjp(lambda q, x: run_stage(k, q, x, mask)[0], p, x_in)
+                ct = jnp.where(valid, cots[k], jnp.zeros_like(cots[k])).astype(y.dtype)
+            else:
+                y, vjp = jax.vjp(lambda q, x: loss_sum(run_stage(k, q, x, mask)[0], label,
+                                                       mask)[1], p, x_in)
+                ct = jnp.where(valid, jnp.ones_like(y), jnp.zeros_like(y))
+            dp, dx = vjp(ct)
+            dp = jax.tree_util.tree_map(
+                lambda g: _varying(jnp.where(valid, g, jnp.zeros_like(g)), axes), dp)
+            outs = [lp.zeros_buf(b) for b in range(S - 1)]
+            if k > 0:
+                outs[k - 1] = _varying(jnp.where(valid, dx, jnp.zeros_like(dx)).astype(
+                    lp.shapes[k - 1].dtype), axes)
+            return dp, tuple(outs)
+        return fn
+
+    backward_branches = [backward(k) for k in range(S)]
+
+    def tick(carry, t):
+        fwd, bwd, stash, grads, sums_acc, bn_acc = carry
+        jf, jb = t - stage, t - 2 * (S - 1) + stage
+        vf, vb = (jf >= 0) & (jf < M), (jb >= 0) & (jb < M)
+        cf, cb = jnp.clip(jf, 0, M - 1), jnp.clip(jb, 0, M - 1)
+        mf = jnp.where(vf, lp.masks[cf], jnp.zeros_like(lp.masks[cf]))
+        mb = jnp.where(vb, lp.masks[cb], jnp.zeros_like(lp.masks[cb]))
+        inputs = (_varying(lp.images[cf], axes),) + tuple(fwd)
+        # F: this device's stage on micro-batch jf; its input goes into the stash
+        outs, sums, bn = lax.switch(stage, forward_branches, p, inputs, _varying(mf, axes),
+                                    _varying(lp.labels[cf], axes), vf)
+        x_in = lax.switch(stage, [lambda i, k=k: flat(i[k]) for k in range(S)], inputs)
+        slot = jf % K
+        stash = stash.at[slot].set(jnp.where(vf, x_in, stash[slot]))
+        sums_acc = sums_acc + jnp.where(vf, sums, jnp.zeros_like(sums))
+        bn_acc = jax.tree_util.tree_map(lambda acc, a: acc + jnp.where(vf, a, jnp.zeros_like(a)),
+                                        bn_acc, bn)
+        outs = [jnp.where(vf, o, jnp.zeros_like(o)) for o in outs]
+        # B: micro-batch jb from its stashed input and the cotangent received last tick
+        dp, douts = lax.switch(stage, backward_branches, stash[jb % K], tuple(bwd),
+                               _varying(mb, axes), _varying(lp.labels[cb], axes), vb)
+        grads = jax.tree_util.tree_map(jnp.add, grads, dp)
+        fwd = tuple(lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)]) for b in range(S - 1))
+        bwd = tuple(lax.ppermute(douts[b], lp.stage_axis, [(b + 1, b)]) for b in range(S - 1))
+        return (fwd, bwd, stash, grads, sums_acc, bn_acc), None
+
+    init = (tuple(lp.zeros_buf(b, lp.fill) for b in range(S - 1)),
+            tuple(lp.zeros_buf(b, lp.fill) for b in range(S - 1)),
+            _varying(jnp.full((K, width), lp.fill, dtype), axes), zeros_grads,
+            _varying(jnp.zeros((4,), jnp.float32), axes), lp.zeros_bn())
+    (_, _, _, grads, sums, bn), _ = lax.scan(tick, init,
+                                             jnp.arange(M + 2 * S - 2, dtype=jnp.int32))
+    return grads, sums, bn
 
 
 # -- the pipelined train step ---------------------------------------------------------------
@@ -529,7 +664,7 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
 
 def make_train_step(model, exchange, plan, world, bn_mode: str, num_microbatches: int,
                     stages: StagePlan | None = None, remat: bool = True,
-                    dynamic_loss_scale: bool = False, growth_interval: int = 2000,
+                    schedule: str = "gpipe", dynamic_loss_scale: bool = False, growth_interval: int = 2000,
                     loss_fn=None, label_smoothing: float = 0.0):
     """``train_step(state, batch) -> (state, StepMetrics)`` on a ``("data",
     "stage")`` world: GPipe (:func:`pipeline_forward_backward`), then the
@@ -553,7 +688,8 @@ def make_train_step(model, exchange, plan, world, bn_mode: str, num_microbatches
       bn_mode: ``running`` or ``sync``.
       num_microbatches: M per step (each of ``local / M`` rows).
       stages: the split (:func:`plan_stages`); ``None``: balanced.
-      remat: recompute each stage in the backward (store its inputs only).
+      remat: GPipe: recompute each stage in the backward (store its inputs only).
+      schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
       dynamic_loss_scale, growth_interval, loss_fn, label_smoothing: as
         :func:`trjax.steps.make_train_step`.
 
@@ -575,7 +711,7 @@ def make_train_step(model, exchange, plan, world, bn_mode: str, num_microbatches
         scale = state.loss_scale if dynamic_loss_scale else None
         grads, sums, bn_sums, rules = pipeline_forward_backward(
             model, state.params, state.batch_stats, batch, num_microbatches, stages, scale,
-            bn_mode, data, "stage", S, loss_fn, label_smoothing, remat)
+            bn_mode, data, "stage", S, loss_fn, label_smoothing, remat, schedule=schedule)
         return apply_gradients(state, grads, sums, bn_sums, rules, plan, exchange, grad_axis,
                                bn_mode, stats, dynamic_loss_scale, growth_interval)
 

@@ -45,7 +45,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.pipeline_microbatches = 0    # micro-batches per step on a 'stage' mesh (0: 4 x stages)
     c.pipeline_stage_starts = ""   # "" (balanced by MACs) or the blocks that begin stages
     #                                1..S-1, e.g. "stage2_block1,stage3_block1"
-    c.pipeline_remat = True        # recompute each stage in the backward (keeps its inputs only)
+    c.pipeline_schedule = "gpipe"  # "gpipe" or "1f1b" (stashes at most 2S-1 stage inputs)
+    c.pipeline_remat = True        # gpipe: recompute each stage in the backward (1f1b always does)
     c.global_batch_size = 128
     c.eval_batch_size = 128        # global; must divide by the world size too
     # model

@@ -83,6 +83,7 @@ KEYS = {
     "mesh": Key("str", **_WHERE),  # checked by trjax.world.parse_mesh and check_mesh
     "pipeline_microbatches": Key("int", 0, hint=" (0: 4 x stages)"),
     "pipeline_stage_starts": Key("str"),  # checked by trjax.pipeline.plan_stages
+    "pipeline_schedule": Key("choice", ("gpipe", "1f1b")),  # trjax.pipeline.SCHEDULES
     "pipeline_remat": Key("bool"),
     "global_batch_size": Key("int", 1, **_MATCH),
     "eval_batch_size": Key("int", 1),
@@ -292,9 +293,10 @@ def check_mesh(config) -> None:
     """
     c = config
     axes = mesh_axes(c)
-    stage, model = axes.get("stage", 1) > 1, axes.get("model", 1) > 1
+    stage, model = "stage" in axes, "model" in axes  # size 1 too: a GPU's 1 x 1 check
     if not stage:
-        for key, off in (("pipeline_microbatches", 0), ("pipeline_stage_starts", "")):
+        for key, off in (("pipeline_microbatches", 0), ("pipeline_stage_starts", ""),
+                         ("pipeline_schedule", "gpipe")):
             if c[key] != off:
                 raise ValueError(f"config.{key}={c[key]!r} applies to a mesh with a 'stage' "
                                  f"axis (config.mesh={c.mesh!r}); set it to {off!r} or use e.g. "

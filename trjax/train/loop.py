@@ -186,7 +186,7 @@ def _announce(tr: Trainer, compiles, say) -> None:
     if tr.stages is not None:
         st = tr.stages
         say(f"pipeline: {st.num_stages} stages x {config_lib.pipeline_microbatches(config)} "
-            "micro-batches (GPipe), stage MAC shares "
+            f"micro-batches ({config.pipeline_schedule}), stage MAC shares "
             + "/".join(f"{100 * x:.1f}%" for x in st.shares)
             + f" (max/mean {st.imbalance:.2f}), stages begin at "
             + ", ".join(st.blocks[lo] for lo, _ in st.bounds))

@@ -282,6 +282,7 @@ def make_train_step(tr: Trainer):
         return pipeline.make_train_step(
             tr.model, tr.exchange, tr.plan, tr.world, c.bn_mode,
             config_lib.pipeline_microbatches(c), tr.stages, remat=c.pipeline_remat,
+            schedule=c.pipeline_schedule,
             dynamic_loss_scale=fp16, growth_interval=c.loss_scale_growth_interval,
             loss_fn=tr.loss_fn, label_smoothing=c.label_smoothing)
     return steps.make_train_step(
