@@ -30,10 +30,12 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from trjax.batchnorm import (BatchNorm, BatchNormContext, fold_batchnorm_tree, linen_interceptor,
                              nnx_context, swap_nnx_batchnorms)
 from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
+from trjax.tensor import copy_to_model, gather_from_model, reduce_from_model, split_stages
 
 
 def normalize(images, mean, std, dtype=jnp.float32):
@@ -59,18 +61,42 @@ def normalize(images, mean, std, dtype=jnp.float32):
     return x.astype(dtype)
 
 
+def _tensor_split(block) -> int:
+    """The model-axis size a block splits over (1: not split), checked."""
+    t = block.tensor_size if block.tensor_axis is not None else 1
+    if t > 1 and block.features % t:
+        raise ValueError(f"{block.name}: {block.features} channels do not divide over "
+                         f"tensor_size={t} (see trjax.tensor.check_tensor_split)")
+    return t
+
+
 class BasicBlock(nn.Module):
+    """Two 3x3 convolutions and the shortcut (a 1x1 projection when the shape changes).
+
+    ``tensor_axis`` / ``tensor_size`` > 1 (set by :class:`ResNet` for its split
+    stages, :mod:`trjax.tensor`): ``Conv_0`` column-parallel (``features /
+    tensor_size`` output channels here) after Megatron's ``f``, ``BatchNorm_0``
+    on those channels, ``Conv_1`` row-parallel followed by ``g`` (the
+    all-reduce over ``tensor_axis``); the rest replicated. Apply it inside
+    ``shard_map`` to the local parameter slices.
+    """
     features: int
     strides: int
     norm: Any
     conv: Any = functools.partial(nn.Conv, use_bias=False)
+    tensor_axis: Optional[str] = None
+    tensor_size: int = 1
 
     @nn.compact
     def __call__(self, x, train, mask):
         conv = self.conv
-        y = conv(self.features, (3, 3), (self.strides, self.strides), padding=1)(x)
+        t = _tensor_split(self)
+        y = copy_to_model(x, self.tensor_axis) if t > 1 else x
+        y = conv(self.features // t, (3, 3), (self.strides, self.strides), padding=1)(y)
         y = nn.relu(self.norm()(y, train, mask))
         y = conv(self.features, (3, 3), padding=1)(y)
+        if t > 1:
+            y = reduce_from_model(y, self.tensor_axis)
         y = self.norm()(y, train, mask)
         if x.shape[-1] != self.features or self.strides != 1:
             x = conv(self.features, (1, 1), (self.strides, self.strides), name="proj_conv")(x)
@@ -79,17 +105,30 @@ class BasicBlock(nn.Module):
 
 
 class Bottleneck(nn.Module):
+    """1x1 -> 3x3 (strided) -> 1x1 (4x wider) convolutions and the shortcut.
+
+    ``tensor_axis`` / ``tensor_size`` > 1 (:mod:`trjax.tensor`): ``Conv_0``
+    (1x1) column-parallel after ``f``, ``BatchNorm_0`` on its local channels,
+    ``Conv_1`` (the 3x3, the widest) row-parallel followed by ``g``;
+    ``BatchNorm_1``, ``Conv_2``, ``BatchNorm_2`` and the projection replicated.
+    """
     features: int
     strides: int
     norm: Any
     conv: Any = functools.partial(nn.Conv, use_bias=False)
+    tensor_axis: Optional[str] = None
+    tensor_size: int = 1
 
     @nn.compact
     def __call__(self, x, train, mask):
         conv = self.conv
-        y = conv(self.features, (1, 1))(x)
+        t = _tensor_split(self)
+        y = copy_to_model(x, self.tensor_axis) if t > 1 else x
+        y = conv(self.features // t, (1, 1))(y)
         y = nn.relu(self.norm()(y, train, mask))
         y = conv(self.features, (3, 3), (self.strides, self.strides), padding=1)(y)
+        if t > 1:
+            y = reduce_from_model(y, self.tensor_axis)
         y = nn.relu(self.norm()(y, train, mask))
         y = conv(self.features * 4, (1, 1))(y)
         y = self.norm()(y, train, mask)
@@ -120,6 +159,15 @@ class ResNet(nn.Module):
         (Goyal et al. 2017; the Flax ImageNet example's ``scale_init=zeros``).
         Applied by :meth:`Network.init` (:func:`zero_init_residual_scales`);
         ``False`` leaves the parameters bitwise as without it.
+      tensor_axis, tensor_size: tensor parallelism (Megatron, :mod:`trjax.tensor`):
+        with ``tensor_size > 1`` the blocks of ``tensor_stages`` and (with
+        ``tensor_head``) the head are split over the mesh axis ``tensor_axis``
+        of that size; apply the model inside ``shard_map`` to the local slices
+        (:func:`trjax.tensor.param_specs`); logits stay ``[B, num_classes]``.
+        ``None`` / 1 (the default): the model as without these fields, bitwise.
+      tensor_stages: 1-based stage numbers to split (``None``: the last stage).
+      tensor_head: split the head over classes (``num_classes`` must divide by
+        ``tensor_size``); ``False`` keeps it replicated.
 
     The input is used as it comes (the steps standardise it, :func:`normalize`);
     the convolutions cast it to ``dtype``.
@@ -137,9 +185,18 @@ class ResNet(nn.Module):
     dtype: Any = jnp.float32
     conv_lowering: str = "auto"
     zero_init_residual: bool = False
+    tensor_axis: Optional[str] = None
+    tensor_size: int = 1
+    tensor_stages: Optional[Sequence[int]] = None
+    tensor_head: bool = True
 
     @nn.compact
     def __call__(self, x, train: bool = True, mask=None):
+        t = self.tensor_size if self.tensor_axis is not None else 1
+        if t > 1 and lax.axis_size(self.tensor_axis) != t:
+            raise ValueError(f"tensor_size={t} but the mesh axis {self.tensor_axis!r} has "
+                             f"{lax.axis_size(self.tensor_axis)} devices")
+        split = split_stages(len(self.stage_sizes), self.tensor_stages) if t > 1 else ()
         norm = functools.partial(BatchNorm, mode=self.bn_mode, axis_name=self.axis_name,
                                  momentum=self.bn_momentum, dtype=self.dtype)
         im2col = resolve_conv_lowering(self.conv_lowering) == "im2col"
@@ -155,9 +212,18 @@ class ResNet(nn.Module):
         for i, (n_blocks, width) in enumerate(zip(self.stage_sizes, self.widths)):
             for j in range(n_blocks):
                 strides = 2 if i > 0 and j == 0 else 1
-                x = self.block(width, strides, norm, conv, name=f"stage{i + 1}_block{j + 1}")(
-                    x, train, mask)
+                tensor = ({"tensor_axis": self.tensor_axis, "tensor_size": t}
+                          if i + 1 in split else {})
+                x = self.block(width, strides, norm, conv, name=f"stage{i + 1}_block{j + 1}",
+                               **tensor)(x, train, mask)
         x = jnp.mean(x, axis=(1, 2))
+        if t > 1 and self.tensor_head:
+            if self.num_classes % t:
+                raise ValueError(f"head: num_classes={self.num_classes} does not divide over "
+                                 f"tensor_size={t} (see trjax.tensor.check_tensor_split)")
+            x = copy_to_model(x, self.tensor_axis)
+            x = nn.Dense(self.num_classes // t, dtype=self.dtype, name="head")(x)
+            return gather_from_model(x.astype(jnp.float32), self.tensor_axis, -1)
         x = nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
         return x.astype(jnp.float32)
 

@@ -349,19 +349,25 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
 
 
 def build_plan(model, image_shape: tuple, policy: str = "two",
-               kernel_order: str = "HWIO") -> MemoryPlan:
+               kernel_order: str = "HWIO", local=None) -> MemoryPlan:
     """The MemoryPlan of ``model`` under a bucket ``policy`` and conv-kernel
     order, from abstract shapes only (no compute).
 
     ``model``: a :class:`trjax.models.Network` or a flax linen / nnx module
     (:func:`trjax.models.as_network`); its parameters are assigned regions by
-    :func:`trjax.regions.assign_regions` (call order, not layer types)."""
+    :func:`trjax.regions.assign_regions` (call order, not layer types).
+    ``local``: ``(params, batch_stats) -> (params, batch_stats)`` of one
+    device's shapes (tensor parallelism: :func:`trjax.tensor.local_shapes`),
+    or ``None``: the buckets then pack what each device holds, the regions
+    stay those of the unsplit model."""
     net = models.as_network(model)
     x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), jnp.float32)
     variables = jax.eval_shape(lambda k: net.init(k, image_shape), jax.random.key(0))
     regions = assign_regions(net, variables, x)
-    return make_plan(variables["params"], variables["batch_stats"], regions, policy=policy,
-                     kernel_order=kernel_order)
+    params, stats = variables["params"], variables["batch_stats"]
+    if local is not None:
+        params, stats = local(params, stats)
+    return make_plan(params, stats, regions, policy=policy, kernel_order=kernel_order)
 
 
 def layer_matrices(plan: MemoryPlan, bucket: str) -> list[tuple[int, int, int]]:

@@ -106,11 +106,10 @@ def _pipeline_model(tr) -> dict:
     pipelined trainer: useful bytes per data replica's pipeline per step, and
     what the loop issues (M + S - 1 permutes per boundary and direction)."""
     from trjax import pipeline  # noqa: PLC0415 -- only for pipelined trainers
-    from trjax.train import config as config_lib  # noqa: PLC0415
     st = tr.stages
     layout = pipeline.block_layout(tr.model.module, tr.data.image_shape)
     shapes = [layout[hi - 1]["out_shape"] for _, hi in st.bounds[:-1]]
-    m = config_lib.pipeline_microbatches(tr.config)
+    m = tr.microbatches
     mu = tr.world.local_batch_size // m
     itemsize = 2 if tr.config.precision in ("bf16", "fp16") else 4
     useful = comm.pipeline_bytes(m, mu, shapes, itemsize)

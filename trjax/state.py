@@ -20,7 +20,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from trjax import collectives, models
+from trjax import collectives, models, tensor
 from trjax.cpu.compile_options import compile_lowered, init_options
 from trjax.world import World
 
@@ -47,7 +47,83 @@ class TrainState:
     comm_state: Any = None
 
 
-def state_specs(bn_mode: str, axis_name: str, exchange=None) -> TrainState:
+class TensorLayout(NamedTuple):
+    """How a tensor-parallel (Megatron) state lies over the ``model`` axis
+    (:func:`tensor_layout`).
+
+    Attributes:
+      network: the split :class:`trjax.models.Network` the steps apply inside
+        ``shard_map`` to the local slices (its module
+        :func:`trjax.tensor.split_model`); the trainer's own network stays
+        unsplit (initialisation, the plan's regions, checks).
+      params, batch_stats, opt_state, folded: ``PartitionSpec`` trees of the
+        parameters, the BN running statistics, the optimizer state (a
+        parameter-shaped subtree gets the parameters' specs, every other leaf
+        ``P()``) and the folded BatchNorm tree of the evaluation.
+    """
+    network: Any
+    params: Any
+    batch_stats: Any
+    opt_state: Any
+    folded: Any
+
+
+def _like_params(tree, params, param_specs):
+    """Specs for ``tree`` (an optimizer state): each subtree with the structure of
+    ``params`` gets ``param_specs`` (optax's ``trace``, Adam's ``mu``/``nu``, the
+    EMA), every other leaf ``P()`` (step counts, empty states)."""
+    target = jax.tree_util.tree_structure(params)
+
+    def walk(t):
+        if jax.tree_util.tree_structure(t) == target:
+            return param_specs
+        if isinstance(t, (tuple, list)) and not hasattr(t, "_fields"):
+            return type(t)(walk(x) for x in t)
+        if hasattr(t, "_fields"):  # NamedTuple optax states
+            return type(t)(*(walk(x) for x in t))
+        if isinstance(t, dict):
+            return {k: walk(v) for k, v in t.items()}
+        return jax.tree_util.tree_map(lambda _: P(), t)
+    return walk(tree)
+
+
+def tensor_layout(network, exchange, world: World, image_shape: tuple) -> TensorLayout:
+    """The :class:`TensorLayout` of a trjax ResNet on a world with a ``model`` axis.
+
+    Args:
+      network: the unsplit :class:`trjax.models.Network` of a
+        :class:`trjax.models.ResNet`.
+      exchange: the gradient exchange (its ``init`` gives the optimizer state's
+        structure, abstractly).
+      world: a world whose mesh has a ``model`` axis.
+      image_shape: ``(H, W, C)``.
+
+    Raises:
+      ValueError, TypeError: :func:`trjax.tensor.check_tensor_split` (a layer
+        whose channels do not divide by the axis size, a model that is not a
+        trjax ResNet), before anything is traced.
+    """
+    import dataclasses  # noqa: PLC0415
+    size = dict(world.axes)[tensor.TENSOR_AXIS]
+    split = tensor.split_model(network.module, tensor.TENSOR_AXIS, size)
+    variables = jax.eval_shape(lambda k: network.init(k, image_shape), jax.random.key(0))
+    p_specs = tensor.param_specs(variables["params"], split)
+    s_specs = tensor.stats_specs(variables["batch_stats"], split)
+    opt = jax.eval_shape(lambda p: exchange.init(p, world)[0], variables["params"])
+    rename = {"mean": "scale", "var": "bias"}
+    folded = _rename_leaves(s_specs, rename)
+    return TensorLayout(dataclasses.replace(network, module=split), p_specs, s_specs,
+                        _like_params(opt, variables["params"], p_specs), folded)
+
+
+def _rename_leaves(tree, rename):
+    if isinstance(tree, dict):
+        return {rename.get(k, k): _rename_leaves(v, rename) for k, v in tree.items()}
+    return tree
+
+
+def state_specs(bn_mode: str, axis_name: str, exchange=None,
+                layout: TensorLayout | None = None) -> TrainState:
     """``shard_map`` partition specs of a :class:`TrainState` (a pytree prefix).
 
     Args:
@@ -56,9 +132,15 @@ def state_specs(bn_mode: str, axis_name: str, exchange=None) -> TrainState:
       exchange: the :class:`trjax.exchange.GradientExchange` whose optimizer
         and comm state the specs describe (``None``: replicated optimizer
         state, as for steps that do not touch it).
+      layout: a tensor-parallel layout (:func:`tensor_layout`): the parameters,
+        statistics and optimizer state split over ``model`` as it says.
     """
     opt_specs, comm_specs = (P(), P(axis_name)) if exchange is None else \
         exchange.specs(axis_name)
+    if layout is not None:
+        return TrainState(step=P(), params=layout.params, opt_state=layout.opt_state,
+                          skipped_steps=P(), loss_scale=P(), good_steps=P(),
+                          batch_stats=layout.batch_stats, comm_state=comm_specs)
     return TrainState(step=P(), params=P(), opt_state=opt_specs, skipped_steps=P(),
                       loss_scale=P(), good_steps=P(),
                       batch_stats=P(axis_name) if bn_mode == "local" else P(),
@@ -91,7 +173,8 @@ def create_train_state(rng, model: nn.Module, exchange, world: World,
 
 def train_state_program(rng, model: nn.Module, exchange, world: World,
                         image_shape: tuple, bn_mode: str,
-                        loss_scale: float = 1.0) -> TrainStateProgram:
+                        loss_scale: float = 1.0,
+                        layout: TensorLayout | None = None) -> TrainStateProgram:
     """The program that makes the whole train state, laid out as
     :func:`state_specs` says; :attr:`TrainStateProgram.finish` compiles and runs it.
 
@@ -119,6 +202,9 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
       image_shape: ``(H, W, C)`` of one example.
       bn_mode: ``sync``, ``running`` or ``local``.
       loss_scale: initial loss scale (fp16 dynamic scaling; 1.0 otherwise).
+      layout: a tensor-parallel layout (:func:`tensor_layout`): the full tree is
+        made as always (rank 0's key), then laid out split over ``model``, so
+        each device's slices are bitwise slices of the unsplit parameters.
     Returns:
       A :class:`TrainStateProgram`; its ``finish()`` returns the
       :class:`TrainState`, laid out as :func:`state_specs` says, and raises
@@ -152,7 +238,7 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
                           good_steps=zero, comm_state=comm_state)
 
     shardings = jax.tree_util.tree_map(lambda sp: NamedSharding(world.mesh, sp),
-                                       state_specs(bn_mode, world.axis_name, exchange),
+                                       state_specs(bn_mode, world.axis_name, exchange, layout),
                                        is_leaf=lambda x: isinstance(x, P))
     lowered = jax.jit(create, out_shardings=shardings).lower(seed)
 
@@ -165,11 +251,13 @@ def train_state_program(rng, model: nn.Module, exchange, world: World,
 
 
 def check_replicas_identical(tree) -> None:
-    """Raises ``RuntimeError`` unless every device's copy of each replicated
-    leaf is bitwise equal to device 0's (a host-side check, used at start-up)."""
+    """Raises ``RuntimeError`` unless every device's copy of each leaf is bitwise
+    equal to the first copy of the same slice (replicated leaves: device 0's;
+    a tensor-parallel leaf: per slice). A host-side check, used at start-up."""
     for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        shards = [np.asarray(s.data) for s in x.addressable_shards]
-        ref = shards[0].tobytes()
-        for i, s in enumerate(shards[1:], 1):
-            if s.tobytes() != ref:
+        first: dict = {}  # per slice of the global array (a split leaf has several)
+        for i, s in enumerate(x.addressable_shards):
+            key = repr(s.index)
+            bits = np.asarray(s.data).tobytes()
+            if first.setdefault(key, bits) != bits:
                 raise RuntimeError(f"replica {i} differs from rank 0 at {jax.tree_util.keystr(path)}")

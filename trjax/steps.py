@@ -48,7 +48,7 @@ from trjax.exchange import GradientExchange
 from trjax.metrics import StepMetrics, batch_metrics
 from trjax.plan import MemoryPlan
 from trjax.precision import update_loss_scale
-from trjax.state import TrainState, state_specs
+from trjax.state import TensorLayout, TrainState, state_specs
 from trjax.world import World
 
 def batch_spec(axis_name: str) -> dict:
@@ -355,7 +355,8 @@ def make_train_step(model, exchange: GradientExchange, plan: MemoryPlan,
                     world: World, bn_mode: str, dynamic_loss_scale: bool = False,
                     growth_interval: int = 2000, grad_accumulation_steps: int = 1,
                     padding: bool = True, loss_fn=None, label_smoothing: float = 0.0,
-                    mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0) -> Callable:
+                    mixup_alpha: float = 0.0, cutmix_alpha: float = 0.0,
+                    layout: TensorLayout | None = None) -> Callable:
     """Returns ``train_step(state, batch) -> (state, StepMetrics)`` over ``world``.
 
     Args:
@@ -384,6 +385,12 @@ def make_train_step(model, exchange: GradientExchange, plan: MemoryPlan,
         the evaluation step always measures the plain cross-entropy. The
         mixing key depends only on the seed, the step, the rank and the
         micro-batch, so a resumed run mixes as one never stopped.
+      layout: tensor parallelism (Megatron) over the world's ``model`` axis
+        (:func:`trjax.state.tensor_layout`): the split network runs on the
+        local slices, its f/g all-reduces over ``model`` inside the forward and
+        backward (:mod:`trjax.tensor`), and the exchange all-reduces the local
+        gradients over ``data`` only. Traced with ``check_vma=False`` (the
+        buckets mix split and replicated leaves; the mappings are explicit).
 
     Args of the returned function (global view): ``state``, a
     :class:`~trjax.state.TrainState`; ``batch``, ``{"image": [G, H, W, C],
@@ -393,6 +400,8 @@ def make_train_step(model, exchange: GradientExchange, plan: MemoryPlan,
     skipped on every replica).
     """
     net, axis = models.as_network(model), world.axis_name
+    if layout is not None:
+        net = layout.network
 
     def local_step(state: TrainState, batch):
         scale = state.loss_scale if dynamic_loss_scale else None
@@ -405,9 +414,10 @@ def make_train_step(model, exchange: GradientExchange, plan: MemoryPlan,
         return apply_gradients(state, grads, sums, bn_sums, rules, plan, exchange, axis,
                                bn_mode, (bn_mode, axis), dynamic_loss_scale, growth_interval)
 
-    specs = state_specs(bn_mode, axis, exchange)
+    specs = state_specs(bn_mode, axis, exchange, layout)
     return jax.shard_map(local_step, mesh=world.mesh, in_specs=(specs, batch_spec(axis)),
-                         out_specs=(specs, P()), check_vma=exchange.check_vma)
+                         out_specs=(specs, P()),
+                         check_vma=exchange.check_vma and layout is None)
 
 
 def apply_gradients(state: TrainState, grads, sums, bn_sums, rules, plan: MemoryPlan,
@@ -458,7 +468,8 @@ def apply_gradients(state: TrainState, grads, sums, bn_sums, rules, plan: Memory
     return new_state, StepMetrics.from_sums(up.sums, finite.astype(jnp.float32), loss_scale)
 
 
-def make_fold_bn(world: World, bn_mode: str, model=None) -> Callable:
+def make_fold_bn(world: World, bn_mode: str, model=None,
+                 layout: TensorLayout | None = None) -> Callable:
     """Returns ``fold_bn(state) -> folded``: every BN's running statistics and
     affine folded into one per-channel ``scale``/``bias``, once per evaluation
     (see :func:`trjax.batchnorm.fold_batchnorm_tree`). No collective.
@@ -469,6 +480,8 @@ def make_fold_bn(world: World, bn_mode: str, model=None) -> Callable:
     (:meth:`trjax.models.Network.fold`); ``None``: fold (trjax's ResNets)."""
     fold = fold_batchnorm_tree if model is None else models.as_network(model).fold
     spec = P(world.axis_name) if bn_mode == "local" else P()
+    if layout is not None:  # tensor parallel: each device folds its own channels
+        spec = layout.folded if layout.network.folds else layout.batch_stats
 
     def local_fold(state: TrainState):
         bs = state.batch_stats
@@ -479,11 +492,13 @@ def make_fold_bn(world: World, bn_mode: str, model=None) -> Callable:
             folded = jax.tree_util.tree_map(lambda x: x[None], folded)
         return folded
 
-    return jax.shard_map(local_fold, mesh=world.mesh, in_specs=(state_specs(bn_mode, world.axis_name),),
+    return jax.shard_map(local_fold, mesh=world.mesh,
+                         in_specs=(state_specs(bn_mode, world.axis_name, layout=layout),),
                          out_specs=spec)
 
 
-def make_eval_step(model, world: World, bn_mode: str, folded: bool = True) -> Callable:
+def make_eval_step(model, world: World, bn_mode: str, folded: bool = True,
+                   layout: TensorLayout | None = None) -> Callable:
     """Returns ``eval_step(params, bn, batch, acc) -> acc``: no collective.
 
     Args (of the returned function):
@@ -500,9 +515,16 @@ def make_eval_step(model, world: World, bn_mode: str, folded: bool = True) -> Ca
 
     :func:`make_eval_reduce` turns ``acc`` into exact global values once per
     pass (the seed's VAL_RESULT_COMM).
+
+    ``layout``: tensor parallel (:func:`trjax.state.tensor_layout`): the split
+    network on the local slices (its head all-gathers the logits over ``model``).
     """
     net, axis = models.as_network(model), world.axis_name
     bn_spec = P(axis) if bn_mode == "local" else P()
+    p_spec = P()
+    if layout is not None:
+        net, p_spec = layout.network, layout.params
+        bn_spec = layout.folded if folded and net.folds else layout.batch_stats
 
     def local_eval(params, bn, batch, acc):
         if bn_mode == "local":
@@ -512,8 +534,8 @@ def make_eval_step(model, world: World, bn_mode: str, folded: bool = True) -> Ca
         return acc + batch_metrics(logits, batch["label"], batch["mask"])[None]
 
     return jax.shard_map(local_eval, mesh=world.mesh,
-                         in_specs=(P(), bn_spec, batch_spec(axis), P(axis)),
-                         out_specs=P(axis))
+                         in_specs=(p_spec, bn_spec, batch_spec(axis), P(axis)),
+                         out_specs=P(axis), check_vma=layout is None)
 
 
 def make_eval_reduce(world: World) -> Callable:

@@ -38,7 +38,6 @@ def parallel(a) -> dict:
     from benchmarking.common import make_config, random_dataset
     from benchmarking.variants import JaxVariant, interleave, summarize
     from trjax import comm
-    from trjax.train import config as config_lib
 
     meshes = [m.strip() for m in a.meshes.split(";") if m.strip()]
     data = random_dataset(2 * a.global_batch, a.image, a.num_classes)
@@ -67,7 +66,7 @@ def parallel(a) -> dict:
                "model_bytes": {"data": comm.data_bytes(tr.plan.gradient_bytes, n_grad),
                                "data_N": n_grad}}
         if tr.stages is not None:
-            S, M = tr.stages.num_stages, config_lib.pipeline_microbatches(c)
+            S, M = tr.stages.num_stages, tr.microbatches
             row["stages"] = {"shares": list(tr.stages.shares),
                              "imbalance": tr.stages.imbalance,
                              "microbatches": M, "bubble": (S - 1) / (M + S - 1),

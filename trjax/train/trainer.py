@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import aot, models, optim, pipeline, steps
+from trjax import aot, models, optim, pipeline, steps, tensor
 from trjax.data import input_pipeline
 from trjax.train import config as config_lib
 from trjax import exchange as exchange_lib
@@ -27,7 +27,7 @@ from trjax.cpu.im2col import resolve_conv_lowering
 from trjax.metrics import METRICS, StepMetrics
 from trjax.plan import build_plan
 from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
-from trjax.state import train_state_program
+from trjax.state import TensorLayout, tensor_layout, train_state_program
 from trjax.world import host_value, make_world
 
 
@@ -41,7 +41,10 @@ class Trainer:
     (:func:`trjax.data.input_pipeline.train_batches_full`), so the train step is
     compiled without BatchNorm's padding mask; the loop refuses a batch with one.
     ``stages``: on a mesh with a ``stage`` axis, the pipeline's split of the
-    model (:func:`trjax.pipeline.check_pipeline`), else ``None``.
+    model (:func:`trjax.pipeline.check_pipeline`), else ``None``, and
+    ``microbatches`` its M per step (1 without a pipeline). ``layout``:
+    on a mesh with a ``model`` axis, the tensor-parallel layout
+    (:func:`trjax.state.tensor_layout`), else ``None``.
     ``loss_fn``, ``transform``: the user's training loss and per-example
     augmentation (:func:`prepare`), or ``None``."""
     config: Any
@@ -55,6 +58,8 @@ class Trainer:
     dtype: Any
     full_batches: bool = False
     stages: pipeline.StagePlan | None = None
+    microbatches: int = 1
+    layout: TensorLayout | None = None
     loss_fn: Any = None
     transform: Any = None
     state: Any = None
@@ -150,11 +155,14 @@ def prepare(config: ml_collections.ConfigDict,
                                          world.local_batch_size,
                                          config_lib.pipeline_microbatches(config),
                                          starts or None)
-    plan = build_plan(model, data.image_shape, config.buckets)
+    local = _tensor_local(model, world, data.image_shape) if "model" in dict(world.axes) \
+        else None
+    plan = build_plan(model, data.image_shape, config.buckets, local=local)
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
     exchange = exchange_lib.from_config(config, plan, schedule, world, tx=tx)
+    layout = tensor_layout(model, exchange, world, data.image_shape) if local else None
     full = input_pipeline.train_batches_full(data.train, world.global_batch_size,
                                              config.train_remainder)
     if loss_fn is not None:
@@ -167,7 +175,27 @@ def prepare(config: ml_collections.ConfigDict,
         input_pipeline.check_transform(transform, data.train, data.image_shape, seed=config.seed,
                                        workers=config.data_workers)
     return Trainer(config, world, data, model, plan, schedule, exchange, train_steps, dtype, full,
-                   stages=stages, loss_fn=loss_fn, transform=transform)
+                   stages=stages, layout=layout,
+                   microbatches=config_lib.pipeline_microbatches(config) if stages else 1,
+                   loss_fn=loss_fn, transform=transform)
+
+
+def _tensor_local(model, world, image_shape):
+    """``(params, batch_stats) -> per-device shapes`` of a tensor-parallel run
+    (the bucket plan packs what a device holds), after
+    :func:`trjax.tensor.check_tensor_split` (a layer that does not divide by
+    the ``model`` axis is an error here, before anything is traced)."""
+    if not isinstance(model.module, models.ResNet):
+        raise ValueError(f"a 'model' mesh axis splits trjax's own ResNets (Megatron); "
+                         f"{type(model.module).__name__} is not one: use a built-in model or a "
+                         "mesh with the data axis only")
+    sizes = dict(world.axes)
+    split = tensor.split_model(model.module, tensor.TENSOR_AXIS, sizes[tensor.TENSOR_AXIS])
+
+    def local(params, batch_stats):
+        return (tensor.local_shapes(params, tensor.param_specs(params, split), sizes),
+                tensor.local_shapes(batch_stats, tensor.stats_specs(batch_stats, split), sizes))
+    return local
 
 
 def data_identity(split) -> dict:
@@ -242,7 +270,8 @@ def setup(config: ml_collections.ConfigDict,
     world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
     fp16 = config.precision == "fp16"
     init = train_state_program(config.seed, model, tr.exchange, world, data.image_shape,
-                               config.bn_mode, loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
+                               config.bn_mode, loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0,
+                               layout=tr.layout)
 
     def example(n):
         return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
@@ -259,11 +288,12 @@ def setup(config: ml_collections.ConfigDict,
         pending_state = pool.submit(contextvars.copy_context().run, init.finish)
         train_step = aot.compile_step("train_step", make_train_step(tr), init.abstract,
                                       example(world.global_batch_size), donate_argnums=0)
-        fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode, model),
-                                   init.abstract)
+        fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode, model,
+                                                                 tr.layout), init.abstract)
         folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
         eval_step = aot.compile_step("eval_step",
-                                     steps.make_eval_step(model, world, config.bn_mode),
+                                     steps.make_eval_step(model, world, config.bn_mode,
+                                                          layout=tr.layout),
                                      init.abstract.params, folded, example(config.eval_batch_size),
                                      acc_shape, donate_argnums=3)
         eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
@@ -275,13 +305,14 @@ def setup(config: ml_collections.ConfigDict,
 
 def make_train_step(tr: Trainer):
     """The train step of ``tr``'s mesh, traced lazily: data parallel
-    (:func:`trjax.steps.make_train_step`) or, on a ``stage`` axis, GPipe
+    (:func:`trjax.steps.make_train_step`; on a ``model`` axis with the
+    tensor-parallel layout) or, on a ``stage`` axis, the pipeline
     (:func:`trjax.pipeline.make_train_step`)."""
     c, fp16 = tr.config, tr.config.precision == "fp16"
     if tr.stages is not None:
         return pipeline.make_train_step(
             tr.model, tr.exchange, tr.plan, tr.world, c.bn_mode,
-            config_lib.pipeline_microbatches(c), tr.stages, remat=c.pipeline_remat,
+            tr.microbatches, tr.stages, remat=c.pipeline_remat,
             schedule=c.pipeline_schedule,
             dynamic_loss_scale=fp16, growth_interval=c.loss_scale_growth_interval,
             loss_fn=tr.loss_fn, label_smoothing=c.label_smoothing)
@@ -290,7 +321,7 @@ def make_train_step(tr: Trainer):
         growth_interval=c.loss_scale_growth_interval,
         grad_accumulation_steps=c.grad_accumulation_steps, padding=not tr.full_batches,
         loss_fn=tr.loss_fn, label_smoothing=c.label_smoothing, mixup_alpha=c.mixup_alpha,
-        cutmix_alpha=c.cutmix_alpha)
+        cutmix_alpha=c.cutmix_alpha, layout=tr.layout)
 
 
 def evaluate_pass(tr: Trainer, state, skipped: set | None = None, ema: bool = True) -> dict:
