@@ -22,6 +22,13 @@ runs; the parent never touches the GPU):
    without shard_map (flax BatchNorm over the whole batch, the same optax
    optimizer), fp32 with ``jax_default_matmul_precision=highest`` so that
    TF32 does not hide or fake a difference.
+6. ``model_parallel``: the main job's model for 2 epochs on a pipeline mesh
+   (``data:N/k,stage:k``, GPipe) and a tensor-parallel mesh
+   (``data:N/k,model:k``), ``k = min(N, 2)``: on one GPU ``k = 1``, the 1 x 1
+   meshes, which compile and run the pipeline's tick loop and the split
+   model's code with no point-to-point or model-axis collective (those need
+   at least 2 GPUs). Per mesh: the training loss falls, the collectives of the
+   compiled step by mesh axis.
 
 Writes ``OUT_DIR/gpu_check.json`` (``{"ok", "dry_run", "wall_s", "parts":
 {name: {"ok", "wall_s", ..figures..}}}``), each part's log as
@@ -52,7 +59,7 @@ RESULT = "GPU_CHECK_RESULT "  # a part's last stdout line: this prefix, then its
 
 # (part, timeout in seconds on the GPU node); --budget_s caps their sum
 PARTS = (("devices", 45), ("main_job", 120), ("comm_report", 90), ("benchmark", 180),
-         ("syncbn", 60))
+         ("syncbn", 60), ("model_parallel", 90))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -197,6 +204,11 @@ def summary_line(name: str, r: dict) -> str:
     if name == "syncbn":
         return (f"max rel diff of the update {r['update_max_rel']:.2e}, batch stats "
                 f"{r['batch_stats_max_rel']:.2e}, loss {r['loss_rel']:.2e}")
+    if name == "model_parallel":
+        return "; ".join(f"{r[k]['mesh']}: train loss {r[k]['train_loss_by_epoch'][0]:.3f} -> "
+                         f"{r[k]['train_loss_by_epoch'][-1]:.3f}, {r[k]['train_images_per_s']:.0f} "
+                         f"img/s, collectives {r[k]['collectives_by_axis']}"
+                         for k in ("stage", "model"))
     return ""
 
 
@@ -419,9 +431,53 @@ def part_syncbn(a) -> dict:
     return out
 
 
+def part_model_parallel(a) -> dict:
+    """The pipeline and the tensor-parallel paths on the devices there are."""
+    if a.dry_run:
+        from trjax.cpu import host
+        host.configure_cpu(2)
+    import jax
+    import shutil
+    sys.path.insert(0, os.path.join(REPO, "configs"))
+    import default as default_config
+    from trjax import comm
+    from trjax.train import loop, trainer
+
+    n = len(jax.devices())
+    k = min(n, 2)
+    out = {"device_count": n}
+    for kind in ("stage", "model"):
+        mesh = f"data:{n // k},{kind}:{k}"
+        c = default_config.get_config()
+        c.update(mesh=mesh, num_epochs=MAIN_JOB_EPOCHS, progress=False, resume=False,
+                 cpu_devices=2, devices=str(n // k * k))
+        if a.dry_run:
+            c.update(model="resnet8", global_batch_size=32, eval_batch_size=32)
+        workdir = os.path.join(a.out, f"model_parallel_{kind}")
+        shutil.rmtree(workdir, ignore_errors=True)
+        t0 = time.perf_counter()
+        _, summary = loop.train_and_evaluate(c, workdir)
+        with open(os.path.join(workdir, "metrics.jsonl")) as f:
+            epochs = [json.loads(line) for line in f if '"epoch"' in line]
+        tr = trainer.setup(c)  # the same programs, from the compilation cache
+        cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
+        axes = None if cols is None else {
+            ("+".join(x) if isinstance(x, tuple) else str(x)): v["count"]
+            for x, v in comm.by_axis(cols, tr.world.mesh).items()}
+        losses = [e["train_loss"] for e in epochs if "train_loss" in e]
+        out[kind] = {"mesh": mesh, "wall_s": time.perf_counter() - t0,
+                     "steps": summary["steps"], "val_top1": summary["val_top1"],
+                     "train_loss_by_epoch": losses, "collectives_by_axis": axes,
+                     "train_images_per_s": summary["train_images_per_s"]}
+        out[kind]["ok"] = bool(len(losses) == MAIN_JOB_EPOCHS and losses[-1] < losses[0]
+                               and summary["platform"] == ("cpu" if a.dry_run else "gpu"))
+    out["ok"] = out["stage"]["ok"] and out["model"]["ok"]
+    return out
+
+
 PART_FUNCTIONS = {"devices": part_devices, "main_job": part_main_job,
                   "comm_report": part_comm_report, "benchmark": part_benchmark,
-                  "syncbn": part_syncbn}
+                  "syncbn": part_syncbn, "model_parallel": part_model_parallel}
 
 
 if __name__ == "__main__":

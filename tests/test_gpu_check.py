@@ -26,7 +26,8 @@ def test_dry_run_writes_every_figure(script_dry_runs):
     assert "all parts passed" in out.stdout
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r["ok"] and r["dry_run"] and list(r["parts"]) == ["devices", "main_job",
-                                                             "comm_report", "benchmark", "syncbn"]
+                                                             "comm_report", "benchmark", "syncbn",
+                                                             "model_parallel"]
     p = r["parts"]
     assert all(x["ok"] for x in p.values())
 
@@ -65,6 +66,13 @@ def test_dry_run_writes_every_figure(script_dry_runs):
     assert s["update_max_rel"] <= 1e-3 and s["batch_stats_max_rel"] <= 1e-5
     assert s["params_max_rel"] <= 1e-5
     assert s["loss_rel"] <= 1e-5 and abs(s["loss"] - math.log(10)) < 1.0  # 10 classes, random
+
+    mp = p["model_parallel"]
+    assert (mp["stage"]["mesh"], mp["model"]["mesh"]) == ("data:1,stage:2", "data:1,model:2")
+    for kind in ("stage", "model"):  # each path ran, learnt, and used its axis
+        r = mp[kind]
+        assert r["steps"] == steps and r["train_loss_by_epoch"][-1] < r["train_loss_by_epoch"][0]
+        assert kind in r["collectives_by_axis"], r["collectives_by_axis"]
 
 
 def test_without_a_gpu_the_check_fails_and_says_why(tmp_path):
