@@ -11,15 +11,17 @@ global batch; the train steps are then timed in interleaved rounds
 * the collectives of the compiled step by mesh axis (:func:`trjax.comm.by_axis`:
   issued per step, loop trip counts included), against the byte models
   (:func:`trjax.comm.data_bytes`, :func:`trjax.comm.pipeline_bytes`);
-* for a pipeline: the analytic bubble ``(S-1)/(M+S-1)`` and the measured
-  masked-compute overhead ``t_pipeline / t_data - 1``.
+* against its reference, the data-parallel run with the same arithmetic per data
+  rank (:func:`_with_references`: ``data:D`` with ``grad_accumulation_steps = M``
+  for a pipeline, ``data:D`` for tensor parallelism), the step time and temp-memory
+  ratios; for a pipeline also the analytic bubble ``(S-1)/(M+S-1)`` and its time
+  factor ``(M+S-1)/M`` (the bubble ticks compute on masked zeros).
 
 On simulated CPU devices every device shares the host's cores, so the step time is
-the SUM of every device's work: a pipeline's bubble ticks (which compute on masked
-zeros in the lock-step SPMD loop) and its recomputation (``pipeline_remat``) show up as
-extra work, ``(M+S-1)/M`` of the useful forward+backward plus one more forward,
-and nothing here measures an interconnect. These are compute and memory figures, not
-interconnect figures.
+the SUM of every device's work: against its reference a pipeline does ``(M+S-1)/M``
+of the work (its bubble ticks compute on masked zeros in the lock-step SPMD loop),
+plus its recomputation, and nothing here measures an interconnect. These are compute
+and memory figures, not interconnect figures.
 """
 
 from __future__ import annotations
@@ -35,61 +37,25 @@ def _mesh_sizes(mesh: str) -> dict:
 
 def parallel(a) -> dict:
     import jax
-    from benchmarking.common import make_config, random_dataset
-    from benchmarking.variants import JaxVariant, interleave, summarize
-    from trjax import comm
+    from benchmarking.common import random_dataset
+    from benchmarking.variants import interleave, summarize
 
     meshes = [m.strip() for m in a.meshes.split(";") if m.strip()]
     data = random_dataset(2 * a.global_batch, a.image, a.num_classes)
     variants, rows = {}, []
-    for mesh in meshes:
-        sizes = _mesh_sizes(mesh)
-        n = 1
-        for v in sizes.values():
-            n *= v
-        c = make_config(a, n, "two")
-        c.mesh = mesh
-        c.num_epochs = 1
-        if "stage" in sizes:
-            c.pipeline_microbatches = a.pipeline_microbatches
-        t0 = time.perf_counter()
-        v = JaxVariant(mesh, c, data, memory_compare=False)
-        tr = v.tr
-        cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled)) or []
-        per_axis = {("+".join(k) if isinstance(k, tuple) else str(k)):
-                    {"count": r["count"], "bytes": r["bytes"]}
-                    for k, r in comm.by_axis(cols, tr.world.mesh).items()}
-        n_grad = tr.world.data_size * sizes.get("stage", 1)
-        row = {"mesh": mesh, "world_size": n, "local_batch": tr.world.local_batch_size,
-               "build_s": time.perf_counter() - t0, "compile_s": tr.train_step.compile_s,
-               "memory": tr.train_step.memory(), "by_axis": per_axis,
-               "model_bytes": {"data": comm.data_bytes(tr.plan.gradient_bytes, n_grad),
-                               "data_N": n_grad}}
-        if tr.stages is not None:
-            S, M = tr.stages.num_stages, tr.microbatches
-            row["stages"] = {"shares": list(tr.stages.shares),
-                             "imbalance": tr.stages.imbalance,
-                             "microbatches": M, "bubble": (S - 1) / (M + S - 1),
-                             "remat": bool(c.pipeline_remat)}
-            from trjax import pipeline
-            layout = pipeline.block_layout(tr.model.module, data.image_shape)
-            shapes = [layout[hi - 1]["out_shape"] for _, hi in tr.stages.bounds[:-1]]
-            row["model_bytes"]["stage_useful"] = comm.pipeline_bytes(
-                M, tr.world.local_batch_size // M, shapes, 4 if a.precision == "fp32" else 2)
-            row["model_bytes"]["stage_issued"] = row["model_bytes"]["stage_useful"] * (M + S - 1) // M
-        print(f"  {mesh}: built in {row['build_s']:.1f} s; temp "
-              f"{row['memory'].get('temp', 0) / 2**20:.1f} MiB/device", flush=True)
-        variants[mesh], rows = v, rows + [row]
+    for mesh, reference in _with_references(meshes, a.pipeline_microbatches):
+        rows.append(_build(a, mesh, reference, data, variants))
     times = interleave(variants, a.rounds, a.steps, a.warmup)
-    base = None
+    by_name = {r["name"]: r for r in rows}
     for row in rows:
-        row.update({k: v for k, v in summarize(times[row["mesh"]], a.global_batch).items()
+        row.update({k: v for k, v in summarize(times[row["name"]], a.global_batch).items()
                     if k != "times"})
-        if row["mesh"].count(":") == 1:
-            base = row
     for row in rows:
-        if base is not None and "stages" in row:
-            row["stages"]["measured_overhead"] = row["median_step_s"] / base["median_step_s"] - 1
+        ref = by_name.get(row.get("reference"))
+        if ref is not None:
+            row["vs_reference"] = {"time": row["median_step_s"] / ref["median_step_s"],
+                                   "temp": row["memory"].get("temp", 0) /
+                                   max(ref["memory"].get("temp", 0), 1)}
     for v in variants.values():
         v.close()
     out = {"meta": {"model": a.model, "image": list(a.image), "global_batch": a.global_batch,
@@ -110,15 +76,84 @@ def parallel(a) -> dict:
     return out
 
 
+def _with_references(meshes, microbatches):
+    """Each mesh, after the data-parallel run that does the same arithmetic per data
+    rank: for ``data:D,stage:S`` the ``data:D`` step with ``grad_accumulation_steps = M``
+    (the same rows per micro-batch, on D devices instead of D x S), for ``data:D,model:T``
+    the ``data:D`` step (the same rows per data rank). ``[(name, reference name)]``."""
+    out, seen = [], set()
+    for mesh in meshes:
+        sizes = _mesh_sizes(mesh)
+        ref = None
+        if "stage" in sizes:
+            ref = f"data:{sizes['data']} accum:{microbatches}"
+        elif "model" in sizes:
+            ref = f"data:{sizes['data']}"
+        if ref is not None and ref not in seen and ref not in meshes:
+            out.append((ref, None))
+            seen.add(ref)
+        if mesh not in seen:
+            out.append((mesh, ref))
+            seen.add(mesh)
+    return out
+
+
+def _build(a, name, reference, data, variants) -> dict:
+    """Builds one variant (``name``: a mesh, or ``data:D accum:M``) and its row."""
+    from benchmarking.common import make_config
+    from benchmarking.variants import JaxVariant
+    from trjax import comm, pipeline
+    mesh, _, accum = name.partition(" accum:")
+    sizes = _mesh_sizes(mesh)
+    n = 1
+    for v in sizes.values():
+        n *= v
+    c = make_config(a, n, "two")
+    c.mesh = mesh if len(sizes) > 1 else ""
+    if accum:
+        c.grad_accumulation_steps = int(accum)
+    if "stage" in sizes:
+        c.pipeline_microbatches = a.pipeline_microbatches
+    t0 = time.perf_counter()
+    v = JaxVariant(name, c, data, memory_compare=False)
+    tr = v.tr
+    cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled)) or []
+    per_axis = {("+".join(k) if isinstance(k, tuple) else str(k)):
+                {"count": r["count"], "bytes": r["bytes"]}
+                for k, r in comm.by_axis(cols, tr.world.mesh).items()}
+    n_grad = tr.world.data_size * sizes.get("stage", 1)
+    row = {"name": name, "reference": reference, "world_size": n,
+           "local_batch": tr.world.local_batch_size,
+           "build_s": time.perf_counter() - t0, "compile_s": tr.train_step.compile_s,
+           "memory": tr.train_step.memory(), "by_axis": per_axis,
+           "model_bytes": {"data": comm.data_bytes(tr.plan.gradient_bytes, n_grad),
+                           "data_N": n_grad}}
+    if tr.stages is not None:
+        S, M = tr.stages.num_stages, tr.microbatches
+        row["stages"] = {"shares": list(tr.stages.shares), "imbalance": tr.stages.imbalance,
+                         "microbatches": M, "bubble": (S - 1) / (M + S - 1),
+                         "bubble_time_factor": (M + S - 1) / M,
+                         "remat": bool(c.pipeline_remat)}
+        layout = pipeline.block_layout(tr.model.module, data.image_shape)
+        shapes = [layout[hi - 1]["out_shape"] for _, hi in tr.stages.bounds[:-1]]
+        useful = comm.pipeline_bytes(M, tr.world.local_batch_size // M, shapes,
+                                     4 if a.precision == "fp32" else 2)
+        row["model_bytes"].update(stage_useful=useful, stage_issued=useful * (M + S - 1) // M)
+    print(f"  {name}: built in {row['build_s']:.1f} s; temp "
+          f"{row['memory'].get('temp', 0) / 2**20:.1f} MiB/device", flush=True)
+    variants[name] = v
+    return row
+
+
 def markdown(out: dict) -> str:
     m = out["meta"]
     mib = lambda x: f"{(x or 0) / 2**20:.1f}"
     lines = [f"{m['model']} {tuple(m['image'])} global batch {m['global_batch']} {m['precision']}, "
              f"{m['devices']} {m['platform']} devices ({m['cpu_cores']} cores), jax {m['jax']}; "
              f"{m['rounds']} rounds x {m['steps']} steps. {m['note']}.", "",
-             "| mesh | local batch | images/s | s/step | temp MiB/dev | argument MiB/dev | "
-             "output MiB/dev | bubble (S-1)/(M+S-1) | measured overhead | bytes/step by axis "
-             "(issued) | model |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | local batch | images/s | s/step | temp MiB/dev | argument MiB/dev | "
+             "output MiB/dev | vs reference: time, temp | bubble (S-1)/(M+S-1); (M+S-1)/M | "
+             "bytes/step by axis (issued) | model |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["results"]:
         mem, st = r["memory"], r.get("stages")
         axes = "; ".join(f"{k}: {v['count']} x, {v['bytes']} B" for k, v in r["by_axis"].items())
@@ -126,11 +161,13 @@ def markdown(out: dict) -> str:
         if st:
             model += (f"; stage 2 M mu \\|a\\| = {r['model_bytes']['stage_useful']} B useful, "
                       f"{r['model_bytes']['stage_issued']} B issued")
-        bubble = f"{st['bubble']:.3f} (M={st['microbatches']})" if st else ""
-        overhead = f"{st['measured_overhead']:+.2f}" if st and "measured_overhead" in st else ""
+        bubble = (f"{st['bubble']:.3f}; {st['bubble_time_factor']:.2f} (M={st['microbatches']})"
+                  if st else "")
+        vs = r.get("vs_reference")
+        overhead = (f"{vs['time']:.2f}x, {vs['temp']:.2f}x ({r['reference']})" if vs else "")
         lines.append(
-            f"| {r['mesh']} | {r['local_batch']} | {r['images_per_s']:.1f} | "
+            f"| {r['name']} | {r['local_batch']} | {r['images_per_s']:.1f} | "
             f"{r['median_step_s']:.3f} | {mib(mem.get('temp'))} | "
             f"{mib(mem.get('argument'))} | {mib(mem.get('output'))} | "
-            f"{bubble} | {overhead} | {axes} | {model} |")
+            f"{overhead} | {bubble} | {axes} | {model} |")
     return "\n".join(lines) + "\n"
