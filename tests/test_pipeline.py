@@ -153,7 +153,7 @@ def _setup(M, bn_mode="running"):
     batch = {"image": rng.integers(0, 256, (D * L,) + IMAGE, dtype=np.uint8),
              "label": rng.integers(0, 10, (D * L,), dtype=np.int32),
              "mask": np.ones((D * L,), np.float32)}
-    batch["mask"][[1, L + 1, L + 2]] = 0  # padding rows, one micro-batch with only padding
+    batch["mask"][[1, L + 2, L + 3]] = 0  # padding rows; data rank 1's micro-batch 1 only padding
     batch["image"][1] = 255
     return module, net, v["params"], bs, batch, L
 

@@ -84,18 +84,6 @@ def test_pipelined_step_equals_gradient_accumulation(bn_mode, mesh, schedule):
         np.testing.assert_allclose(a.loss_sum, b.loss_sum, rtol=1e-5)
 
 
-def test_summary_and_announce_carry_the_mesh(tmp_path, capsys):
-    from trjax.train import train_and_evaluate
-    cfg = small_config(devices="4", mesh="data:2,stage:2", global_batch_size=GLOBAL,
-                       eval_batch_size=GLOBAL, num_epochs=1, halt_after_steps=2)
-    _, summary = train_and_evaluate(cfg, str(tmp_path / "run"))
-    assert summary["mesh"] == "data:2,stage:2" and summary["pipeline_microbatches"] == 8
-    assert summary["world_size"] == 4 and summary["local_batch_size"] == 16
-    np.testing.assert_allclose(sum(summary["pipeline_stage_shares"]), 1.0)
-    text = capsys.readouterr().out
-    assert "mesh=data:2,stage:2" in text and "pipeline: 2 stages x 8 micro-batches (gpipe)" in text
-
-
 @pytest.mark.parametrize("overrides,needle", [
     (dict(mesh="data:2,stage:2", bn_mode="local"), "config.bn_mode='local' is not supported "
                                                    "with a 'stage' axis"),
@@ -141,14 +129,20 @@ def test_pipeline_errors_before_any_compile(overrides, needle, monkeypatch):
     assert needle in str(e.value)
 
 
-def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path):
+def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path, capsys):
     """data:2,stage:2: halted at step 6 (checkpoints 4 and 6), resumed to the end of the
     epoch: the parameters, BN statistics, optimizer state and val top-1 are bitwise those
-    of the run never stopped."""
+    of the run never stopped. The start-up lines and summary.json name the mesh and the
+    pipeline."""
     from trjax.train import train_and_evaluate
     bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
     cfg = dict(devices="4", mesh="data:2,stage:2", num_epochs=1, checkpoint_every_steps=4)
     full, s_full = train_and_evaluate(small_config(**cfg), str(tmp_path / "full"))
+    assert s_full["mesh"] == "data:2,stage:2" and s_full["pipeline_microbatches"] == 8
+    assert s_full["world_size"] == 4 and s_full["local_batch_size"] == 64
+    np.testing.assert_allclose(sum(s_full["pipeline_stage_shares"]), 1.0)
+    text = capsys.readouterr().out
+    assert "mesh=data:2,stage:2" in text and "pipeline: 2 stages x 8 micro-batches (gpipe)" in text
     _, s_cut = train_and_evaluate(small_config(halt_after_steps=6, **cfg), str(tmp_path / "cut"))
     assert s_cut["halted"] and s_cut["steps"] == 6
     resumed, s_res = train_and_evaluate(small_config(**cfg), str(tmp_path / "cut"))
