@@ -102,6 +102,12 @@ def test_pipelined_step_equals_gradient_accumulation(bn_mode, mesh, schedule):
     (dict(pipeline_stage_starts="stage2_block1"), "applies to a mesh with a 'stage' axis"),
     (dict(pipeline_schedule="1f1b"), "applies to a mesh with a 'stage' axis"),
     (dict(mesh="data:2,stage:2", pipeline_schedule="interleaved"), "is not one of"),
+    (dict(pipeline_remat=False), "config.pipeline_remat=False applies to a mesh with a 'stage'"),
+    (dict(mesh="data:2,stage:2", pipeline_schedule="1f1b", pipeline_remat=False),
+     "1f1b always recomputes"),
+    (dict(mesh="data:2,stage:2", pipeline_stage_starts="stage2_block1,,stage3_block1"),
+     "has an empty item"),
+    (dict(model_kwargs={"tensor_size": 4}), "config.model_kwargs sets ['tensor_size']"),
     (dict(mesh="data:2,pipe:2"), "axis 'pipe' is unknown"),
 ])
 def test_model_parallel_config_errors(overrides, needle):
@@ -114,6 +120,13 @@ def test_model_parallel_config_errors(overrides, needle):
     (dict(mesh="data:2,stage:2", pipeline_microbatches=3),
      "config.pipeline_microbatches=3 does not fit 2 stages and a local batch of 16 rows"),
     (dict(mesh="data:2,stage:2", pipeline_microbatches=1), "must be >= 2"),
+    (dict(mesh="data:2,stage:3", devices="6"), "config.pipeline_microbatches=0 (the default: "
+                                               "4 x 3 stages = 12) does not fit 3 stages"),
+    (dict(mesh="data:2,stage:2", pipeline_stage_starts="stage3_block1,stage2_block1"),
+     "config.pipeline_stage_starts='stage3_block1,stage2_block1': 2 stages need 1 stage starts"),
+    (dict(mesh="data:2,model:2", eval_batch_size=33), "config.eval_batch_size 33 is not "
+                                                      "divisible by the data axis size 2"),
+    (dict(model_kwargs={"width": 3}), "the built-in ResNets take"),
     (dict(mesh="data:2,stage:4", devices="all"), "cannot split 3 residual blocks into 4 stages"),
     (dict(mesh="data:2,stage:2", pipeline_stage_starts="stage9_block1"),
      "stage starts ['stage9_block1'] are not blocks after the first"),
@@ -123,10 +136,21 @@ def test_model_parallel_config_errors(overrides, needle):
 def test_pipeline_errors_before_any_compile(overrides, needle, monkeypatch):
     from trjax import aot
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    cfg = {"devices": "4", "global_batch_size": GLOBAL, "eval_batch_size": GLOBAL, **overrides}
     with pytest.raises(ValueError) as e:
-        trainer.prepare(small_config(global_batch_size=GLOBAL, eval_batch_size=GLOBAL,
-                                     **{"devices": "4", **overrides}))
+        trainer.prepare(small_config(**cfg))
     assert needle in str(e.value)
+
+
+def test_your_own_optimizer_is_refused_on_a_model_axis(monkeypatch):
+    """A user tx would see each device's slice of a split layer: a norm over a layer (LARS)
+    or over every leaf (clipping) would be per slice. Refused before any compile."""
+    import optax
+    from trjax import aot
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(ValueError, match="tx= \\(your own optimizer\\) on config.mesh="):
+        trainer.prepare(small_config(devices="4", mesh="data:2,model:2", global_batch_size=GLOBAL,
+                                     eval_batch_size=GLOBAL), tx=optax.sgd(0.1))
 
 
 def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path, capsys):

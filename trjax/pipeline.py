@@ -628,7 +628,8 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
 
 
 def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_batch: int,
-                   num_microbatches: int, starts: Sequence[str] | None = None) -> StagePlan:
+                   num_microbatches: int, starts: Sequence[str] | None = None,
+                   what: str | None = None) -> StagePlan:
     """Every check of a pipelined run, before anything is traced.
 
     Args:
@@ -639,6 +640,7 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
       local_batch: rows per data rank (``global_batch_size // data_size``).
       num_microbatches: M.
       starts: the block names that begin stages 1 .. S-1, or ``None`` (balanced).
+      what: how the messages name M (default ``config.pipeline_microbatches=M``).
 
     Returns:
       The :class:`StagePlan`.
@@ -655,7 +657,8 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
                          "resnet20/resnet18_cifar/resnet18/resnet50, or a mesh without 'stage'")
     valid = [m for m in range(num_stages, local_batch + 1) if local_batch % m == 0]
     if num_microbatches < num_stages or local_batch % num_microbatches:
-        raise ValueError(f"config.pipeline_microbatches={num_microbatches} does not fit "
+        what = what or f"config.pipeline_microbatches={num_microbatches}"
+        raise ValueError(f"{what} does not fit "
                          f"{num_stages} stages and a local batch of {local_batch} rows: it must "
                          f"be >= {num_stages} (else stages idle) and divide {local_batch}; "
                          f"valid: {valid[:12]}")

@@ -20,7 +20,11 @@ def comm_report(tr) -> dict:
       ``gradient_all_reduces`` (count), ``deep_before_first_conv_wgrad``,
       ``traffic_per_rank_bytes`` (ring model).
     """
-    config, plan, n = tr.config, tr.plan, tr.world.world_size
+    config, plan = tr.config, tr.plan
+    # the gradient all-reduce spans the data axis, and the stage axis while the parameters
+    # are replicated over it (trjax.pipeline, design v1); a model axis splits them instead
+    axes = dict(tr.world.axes)
+    n = tr.world.data_size * axes.get("stage", 1)
     names = {"deep": "bucket:deep (deep convs + metrics)",
              "first": "bucket:first (first conv + BN + FC)"}
     labels = {plan.stat_sums_elements: "bn:running statistics",
@@ -32,7 +36,7 @@ def comm_report(tr) -> dict:
             labels.setdefault(size - len(METRICS), names.get(b, f"bucket:{b}") + " [compressed, metrics apart]")
     for _, size, shape in plan.stats_slots.values():
         labels.setdefault(2 * shape[0] + 1, "bn:sync batch statistics")
-    out = {"world_size": n, "bn_mode": config.bn_mode, "model": config.model,
+    out = {"world_size": tr.world.world_size, "bn_mode": config.bn_mode, "model": config.model,
            "policy": plan.policy, "allreduce": config.allreduce,
            "compression": config.compression,
            "buckets": {b: {"elements": e, "bytes": plan.bucket_bytes(b),
@@ -58,6 +62,8 @@ def comm_report(tr) -> dict:
         for c in cols:
             axis = comm.axis_of(c, mesh)
             c["axis"] = "+".join(axis) if isinstance(axis, tuple) else axis
+            if c["carries"] == ["other"] and axis in _AXIS_LABELS:
+                c["carries"] = [_AXIS_LABELS[axis].get(c["kind"], "other")]
         out[step.name] = {"collectives": cols, "count": len(cols),
                           "by_axis": {("+".join(a) if isinstance(a, tuple) else str(a)):
                                       {"count": v["count"], "bytes": v["bytes"]}
@@ -83,10 +89,7 @@ def comm_report(tr) -> dict:
                                                        if len(c["operands"]) == 1) == \
                 sorted(plan.bucket_elements.values())
     grad_bytes = sum(plan.bucket_bytes(b) for b in plan.bucket_elements)
-    # the gradient all-reduce spans the data axis, and the stage axis while the parameters
-    # are replicated over it (trjax.pipeline, design v1)
-    axes = dict(tr.world.axes)
-    n_grad = n if len(axes) == 1 else tr.world.data_size * axes.get("stage", 1)
+    n_grad = n
     out["mesh"] = ",".join(f"{a}:{k}" for a, k in tr.world.axes)
     out["traffic_per_rank_bytes"] = {"gradients": comm.ring_traffic_bytes(grad_bytes, n_grad),
                                      "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes,
@@ -99,6 +102,15 @@ def comm_report(tr) -> dict:
         for alg in allreduce.ALGORITHMS}
     out["memory_plan"] = plan.describe()
     return out
+
+
+_AXIS_LABELS = {
+    "stage": {"collective-permute": "pipeline:boundary activation / cotangent"},
+    "model": {"all-reduce": "tensor:Megatron f/g (partial sums of a split pair or the head)",
+              "all-gather": "tensor:head logits"},
+}
+"""What a collective over a model-parallel axis carries, by kind (the labels of
+collectives the plan's sizes do not name)."""
 
 
 def _pipeline_model(tr) -> dict:

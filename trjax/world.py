@@ -178,7 +178,7 @@ def parse_device_spec(spec: str | int, num_available: int) -> list[int]:
 
 
 def check_batch_split(global_batch_size: int, world_size: int,
-                      field: str = "global_batch_size") -> int:
+                      field: str = "global_batch_size", size_name: str = "world_size") -> int:
     """Returns the local batch size, ``global_batch_size // world_size``.
 
     Args:
@@ -186,6 +186,8 @@ def check_batch_split(global_batch_size: int, world_size: int,
       world_size: the number of devices.
       field: the name the user set the value under (e.g.
         ``"config.eval_batch_size"``), used in every message.
+      size_name: what ``world_size`` counts, in the messages (``"the data
+        axis size"`` on a mesh whose batch splits over ``data`` only).
 
     Raises:
       ValueError: if the batch size is not a positive int, is smaller than
@@ -196,13 +198,13 @@ def check_batch_split(global_batch_size: int, world_size: int,
         raise ValueError(f"{field} {global_batch_size!r} must be an int")
     g, n = int(global_batch_size), int(world_size)
     if g < n:
-        raise ValueError(f"{field} {g} is smaller than world_size {n}: every device "
+        raise ValueError(f"{field} {g} is smaller than {size_name} {n}: every device "
                          f"needs at least one example; use {field} >= {n} "
                          f"(e.g. {n}) or fewer devices")
     if g % n:
         lo, hi = (g // n) * n, (g // n + 1) * n
         lo_text = f"{lo} or " if lo else ""
-        raise ValueError(f"{field} {g} is not divisible by world_size {n}; "
+        raise ValueError(f"{field} {g} is not divisible by {size_name} {n}; "
                          f"use {lo_text}{hi} (local batch {lo_text and f'{lo // n} or '}{hi // n})")
     return g // n
 

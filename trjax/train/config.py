@@ -81,7 +81,9 @@ KEYS = {
     "conv_lowering": Key("choice", im2col.LOWERINGS, **_WHERE),
     "cpu_reuse_memory": Key("bool", **_WHERE),
     "mesh": Key("str", **_WHERE),  # checked by trjax.world.parse_mesh and check_mesh
-    "pipeline_microbatches": Key("int", 0, hint=" (0: 4 x stages)"),
+    # where it runs, like mesh and devices (which set the rows per BN group too): may
+    # change on resume; the start-up line prints the M in use
+    "pipeline_microbatches": Key("int", 0, **_WHERE, hint=" (0: 4 x stages)"),
     "pipeline_stage_starts": Key("str"),  # checked by trjax.pipeline.plan_stages
     "pipeline_schedule": Key("choice", ("gpipe", "1f1b")),  # trjax.pipeline.SCHEDULES
     "pipeline_remat": Key("bool"),
@@ -186,7 +188,8 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
 
     Args:
       config: see ``configs/default.py``.
-      world_size: when known, also checks that the global, eval and
+      world_size: when known (the data axis size on a model-parallel mesh: the
+        batches split over ``data`` only), also checks that the global, eval and
         micro-batch splits divide (local batch / ``grad_accumulation_steps``)
         and that ``allreduce_local_size`` divides the world.
 
@@ -251,8 +254,9 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
     check_mesh(c)
     if world_size is None:
         return
-    check_batch_split(c.global_batch_size, world_size, "config.global_batch_size")
-    check_batch_split(c.eval_batch_size, world_size, "config.eval_batch_size")
+    size_name = "the data axis size" if len(mesh_axes(c)) > 1 else "world_size"
+    check_batch_split(c.global_batch_size, world_size, "config.global_batch_size", size_name)
+    check_batch_split(c.eval_batch_size, world_size, "config.eval_batch_size", size_name)
     local, k = c.global_batch_size // world_size, c.grad_accumulation_steps
     if local % k:
         raise ValueError(f"config.grad_accumulation_steps={k!r} must divide the local batch "
@@ -294,9 +298,17 @@ def check_mesh(config) -> None:
     c = config
     axes = mesh_axes(c)
     stage, model = "stage" in axes, "model" in axes  # size 1 too: a GPU's 1 x 1 check
+    if stage and c.pipeline_schedule == "1f1b" and not c.pipeline_remat:
+        raise ValueError("config.pipeline_remat=False applies to pipeline_schedule='gpipe': "
+                         "1f1b always recomputes each stage in its backward slot; leave "
+                         "pipeline_remat=True or use gpipe")
+    starts = str(c.pipeline_stage_starts)
+    if starts.strip() and any(not b.strip() for b in starts.split(",")):
+        raise ValueError(f"config.pipeline_stage_starts={starts!r} has an empty item: give "
+                         "block names separated by commas, e.g. 'stage2_block1,stage3_block1'")
     if not stage:
         for key, off in (("pipeline_microbatches", 0), ("pipeline_stage_starts", ""),
-                         ("pipeline_schedule", "gpipe")):
+                         ("pipeline_schedule", "gpipe"), ("pipeline_remat", True)):
             if c[key] != off:
                 raise ValueError(f"config.{key}={c[key]!r} applies to a mesh with a 'stage' "
                                  f"axis (config.mesh={c.mesh!r}); set it to {off!r} or use e.g. "
@@ -331,9 +343,11 @@ def check_mesh(config) -> None:
                              "the data axis only")
 
 
-MODEL_ARGS = ("num_classes", "bn_mode", "axis_name", "bn_momentum", "dtype", "conv_lowering")
+MODEL_ARGS = ("num_classes", "bn_mode", "axis_name", "bn_momentum", "dtype", "conv_lowering",
+              "tensor_axis", "tensor_size")
 """The keyword arguments the trainer gives a model from the config, the world
-and the data (:func:`resolve_model`); ``config.model_kwargs`` may not name them."""
+and the data (:func:`resolve_model`; the tensor-parallel split from
+``config.mesh``); ``config.model_kwargs`` may not name them."""
 IMPORT_PATH_FORM = ("an import path 'package.module:Name' of a flax Module class (linen or "
                     "nnx) or a factory, importable from sys.path or the current directory")
 
@@ -412,7 +426,7 @@ def check_model(model: str, model_kwargs=None) -> None:
     if taken:
         raise ValueError(f"config.model_kwargs sets {taken}: the trainer passes "
                          f"{list(MODEL_ARGS)} from the config, the world and the data set "
-                         "(set config.bn_mode, config.precision, ... instead)")
+                         "(set config.bn_mode, config.precision, config.mesh, ... instead)")
 
 
 def resolve_model(config: ml_collections.ConfigDict, num_classes: int, **trainer_args):
@@ -440,8 +454,15 @@ def resolve_model(config: ml_collections.ConfigDict, num_classes: int, **trainer
     check_model(config.model, kwargs)
     kwargs = kwargs.to_dict() if isinstance(kwargs, ml_collections.ConfigDict) else dict(kwargs)
     if not is_import_path(config.model):
-        return models.create_model(config.model, num_classes=num_classes, **trainer_args,
-                                   **kwargs)
+        try:
+            return models.create_model(config.model, num_classes=num_classes, **trainer_args,
+                                       **kwargs)
+        except TypeError as e:
+            import dataclasses as dc
+            fields = sorted(f.name for f in dc.fields(models.ResNet)
+                            if f.name not in ("parent", "name") + MODEL_ARGS)
+            raise ValueError(f"config.model_kwargs={kwargs!r} for {config.model!r}: {e}; the "
+                             f"built-in ResNets take {fields}") from e
     target = import_model(config.model)
     nnx = sys.modules.get("flax.nnx")
     is_nnx = nnx is not None and isinstance(target, type) and issubclass(target, nnx.Module)

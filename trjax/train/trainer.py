@@ -148,13 +148,12 @@ def prepare(config: ml_collections.ConfigDict,
     model = models.wrap(model, image_shape=data.image_shape, num_classes=data.num_classes,
                         mean=data.mean, std=data.std, dtype=dtype, seed=config.seed,
                         check=not builtin)
-    stages = None
-    if "stage" in dict(world.axes):
-        starts = [b.strip() for b in config.pipeline_stage_starts.split(",") if b.strip()]
-        stages = pipeline.check_pipeline(model.module, data.image_shape, dict(world.axes)["stage"],
-                                         world.local_batch_size,
-                                         config_lib.pipeline_microbatches(config),
-                                         starts or None)
+    stages = _check_pipeline(config, world, model, data.image_shape)
+    if tx is not None and "model" in dict(world.axes):
+        raise ValueError(f"tx= (your own optimizer) on config.mesh={config.mesh!r}: with a "
+                         "'model' axis it would see each device's slice of a split layer, so a "
+                         "norm over a layer or all leaves (clipping, LARS) would be per slice; use "
+                         "config.optimizer='sgd' or 'adamw', or a mesh without 'model'")
     local = _tensor_local(model, world, data.image_shape) if "model" in dict(world.axes) \
         else None
     plan = build_plan(model, data.image_shape, config.buckets, local=local)
@@ -178,6 +177,25 @@ def prepare(config: ml_collections.ConfigDict,
                    stages=stages, layout=layout,
                    microbatches=config_lib.pipeline_microbatches(config) if stages else 1,
                    loss_fn=loss_fn, transform=transform)
+
+
+def _check_pipeline(config, world, model, image_shape) -> pipeline.StagePlan | None:
+    """The pipeline's stage plan on a ``stage`` mesh (``None`` otherwise), checked
+    with the config's names in every message."""
+    if "stage" not in dict(world.axes):
+        return None
+    S, M = dict(world.axes)["stage"], config_lib.pipeline_microbatches(config)
+    starts = [b.strip() for b in config.pipeline_stage_starts.split(",") if b.strip()]
+    what = (f"config.pipeline_microbatches={M}" if config.pipeline_microbatches else
+            f"config.pipeline_microbatches=0 (the default: 4 x {S} stages = {M})")
+    try:
+        return pipeline.check_pipeline(model.module, image_shape, S, world.local_batch_size, M,
+                                       starts or None, what=what)
+    except ValueError as e:
+        if starts and "stage starts" in str(e):
+            raise ValueError(f"config.pipeline_stage_starts={config.pipeline_stage_starts!r}: "
+                             f"{e}") from e
+        raise
 
 
 def _tensor_local(model, world, image_shape):
