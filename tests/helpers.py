@@ -63,6 +63,21 @@ def random_batch(n, seed=0, num_classes=10):
             "mask": np.ones(n, np.float32)}
 
 
+def digit_like_batches(n, global_batch, padding=(3, 20, 21), seed=0):
+    """``n`` host batches shaped as the digits' (uint8 ``[G, 8, 8, 1]`` with values 0-16,
+    int32 labels of 10 classes), with mask-0 rows at ``padding`` (on both halves of a
+    2-rank data axis by default)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        b = {"image": rng.integers(0, 17, (global_batch, 8, 8, 1)).astype(np.uint8),
+             "label": rng.integers(0, 10, global_batch).astype(np.int32),
+             "mask": np.ones(global_batch, np.float32)}
+        b["mask"][list(padding)] = 0
+        out.append(b)
+    return out
+
+
 def to_host(tree):
     return jax.tree_util.tree_map(np.asarray, tree)
 

@@ -12,24 +12,12 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_within_reorder_rounding, small_config, to_host
+from helpers import assert_within_reorder_rounding, digit_like_batches, small_config, to_host
 from trjax import comm
 from trjax.data import input_pipeline
 from trjax.train import trainer
 
 GLOBAL = 32
-
-
-def _batches(n, seed=0):
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        b = {"image": rng.integers(0, 17, (GLOBAL, 8, 8, 1)).astype(np.uint8),
-             "label": rng.integers(0, 10, GLOBAL).astype(np.int32),
-             "mask": np.ones(GLOBAL, np.float32)}
-        b["mask"][[3, 20, 21]] = 0
-        out.append(b)
-    return out
 
 
 def _trainer(bn_mode, mesh=None, **kw):
@@ -43,7 +31,7 @@ def _trainer(bn_mode, mesh=None, **kw):
 
 def _run(tr, n):
     state, states, metrics = tr.state, {}, []
-    for i, b in enumerate(_batches(n), 1):
+    for i, b in enumerate(digit_like_batches(n, GLOBAL), 1):
         state, m = tr.train_step(state, input_pipeline.to_device(
             b, tr.world.sharded(), tr.data.num_classes, tr.dtype))
         metrics.append(to_host(m))

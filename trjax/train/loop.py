@@ -178,8 +178,8 @@ def _announce(tr: Trainer, compiles, say) -> None:
     """The start-up lines: the world, the buckets, the compilation cache's use."""
     world, plan, config = tr.world, tr.plan, tr.config
     mesh = ",".join(f"{n}:{k}" for n, k in world.axes)
-    say(f"world_size={world.world_size} mesh={mesh} devices={[d.id for d in world.devices]} "
-        f"({world.devices[0].platform}, {jax.process_count()} process(es)) "
+    say(f"world_size={world.world_size} devices={[d.id for d in world.devices]} "
+        f"({world.devices[0].platform}, {jax.process_count()} process(es)) mesh={mesh} "
         f"global_batch={world.global_batch_size} local_batch={world.local_batch_size} "
         f"bn_mode={config.bn_mode} precision={config.precision} "
         f"train_padding_mask={not tr.full_batches}")
