@@ -162,3 +162,24 @@ def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path, capsys):
     for name in ("params", "batch_stats", "opt_state"):
         assert bits(getattr(resumed, name)) == bits(getattr(full, name)), name
     assert s_res["val_top1"] == s_full["val_top1"]
+
+
+def test_pipelined_step_collectives_by_axis():
+    """The trainer's pipelined step (running BN, data:2,stage:2): over 'data'+'stage' the
+    deep bucket, then the first, then the BN statistics, one all-reduce each; over 'stage'
+    one collective-permute each way in the tick loops, M + S - 1 times per step; nothing
+    else."""
+    from trjax import comm
+    tr = _trainer("running", "data:2,stage:2")
+    cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
+    mesh = tr.world.mesh
+    both = [c for c in cols if comm.axis_of(c, mesh) == ("data", "stage")]
+    stage = [c for c in cols if comm.axis_of(c, mesh) == "stage"]
+    assert len(both) + len(stage) == len(cols), [(c["kind"], comm.axis_of(c, mesh)) for c in cols]
+    plan = tr.plan
+    assert [c["kind"] for c in both] == ["all-reduce"] * 3
+    assert [c["elements"] for c in both] == [plan.bucket_elements["deep"],
+                                             plan.bucket_elements["first"],
+                                             plan.stat_sums_elements]
+    assert [c["kind"] for c in stage] == ["collective-permute"] * 2
+    assert [c["trip_count"] for c in stage] == [4 + 2 - 1] * 2
