@@ -264,3 +264,14 @@ def test_gpipe_step_collectives_by_axis(bn_mode):
     print(bn_mode, {str(k): (r["count"], r["bytes"], [(c["kind"], len(c["operands"]))
                                                       for c in r["collectives"]])
                     for k, r in rows.items()})
+
+
+def test_the_mesh_axes_group_form_of_newer_xla():
+    """jaxlib 0.12 prints shard_map's groups by mesh axes: the same groups as the lists."""
+    g = comm.device_groups("channel_id=1, replica_groups=mesh['data'=2,'model'=2] {'data'}, "
+                           "use_global_device_ids=true, to_apply=%region_0.0")
+    assert g["groups"] == [[0, 2], [1, 3]] and g["channel_id"] == 1
+    assert comm.device_groups("replica_groups=mesh['data'=2,'stage'=4] {'stage'}")["groups"] == \
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert comm.device_groups("replica_groups=mesh['data'=2,'stage'=2] {'data','stage'}")[
+        "groups"] == [[0, 1, 2, 3]]

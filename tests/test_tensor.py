@@ -114,7 +114,10 @@ def test_mappings_give_exact_gradients_where_plain_psum_does_not(check_vma):
 
     gx, g1, g2, g3 = run(megatron)
     for got, want in zip((gx[0], g1, g2, g3), ref):
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+        # elements that cancel (x's gradient sums terms of |~30|) err relative to the
+        # array's scale, not their own (seen on jaxlib 0.12: 3e-5 on an element of 0.29)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5,
+                                   atol=1e-5 * float(np.abs(np.asarray(want)).max()))
     assert np.array_equal(np.asarray(gx), np.broadcast_to(np.asarray(gx[0]), gx.shape))
     if not check_vma:
         # plain psum / all_gather transpose to psum / psum_scatter: every weight gradient

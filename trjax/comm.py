@@ -118,6 +118,7 @@ def _operands(type_str: str) -> list[dict]:
 # ``T(p0,p1,...)``; ``source_target_pairs={{0,1},{2,3}}`` for collective-permute.
 _GROUP_LIST = re.compile(r"\breplica_groups=\{((?:\s*\{[\d,\s]*\}\s*,?)*)\}")
 _GROUP_IOTA = re.compile(r"\breplica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_GROUP_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _PAIRS = re.compile(r"\bsource_target_pairs=\{((?:\s*\{\s*\d+\s*,\s*\d+\s*\}\s*,?)*)\}")
 _BRACED = re.compile(r"\{([\d,\s]*)\}")
 _CHANNEL = re.compile(r"\bchannel_id=(\d+)")
@@ -140,6 +141,23 @@ def iota_groups(group_dims, reshape_dims, transpose_perm=None) -> list[list[int]
     return ids.reshape(tuple(group_dims)).tolist()
 
 
+def mesh_groups(axes, reduced) -> list[list[int]]:
+    """The groups of XLA's mesh-axes replica-group form (jaxlib >= 0.12 prints
+    ``replica_groups=mesh['data'=2,'model'=2] {'data'}``): over a row-major mesh
+    of ``axes`` (``[(name, size)]``, outermost first), each group holds the ids
+    that differ only in the ``reduced`` axes' coordinates.
+
+    >>> mesh_groups([("data", 2), ("model", 2)], ["data"])
+    [[0, 2], [1, 3]]
+    """
+    names = [n for n, _ in axes]
+    ids = np.arange(math.prod(k for _, k in axes)).reshape(tuple(k for _, k in axes))
+    keep = [i for i, n in enumerate(names) if n not in reduced]
+    red = [names.index(n) for n in reduced]
+    size = math.prod(axes[i][1] for i in red)
+    return ids.transpose(keep + red).reshape(-1, size).tolist()
+
+
 def device_groups(attributes: str) -> dict:
     """The device groups in one collective instruction's attribute text.
 
@@ -148,6 +166,7 @@ def device_groups(attributes: str) -> dict:
     form; ``[]`` for ``replica_groups={}``, i.e. one group of all
     participants; None where the attribute is absent); ``pairs`` a list of
     ``[source, target]`` from ``source_target_pairs`` (None if absent);
+    ``groups`` also from jaxlib 0.12's mesh-axes form (:func:`mesh_groups`);
     ``channel_id`` an int or None.
 
     What the ids mean (XLA's CollectiveOpGroupMode): with ``channel_id`` and
@@ -162,7 +181,12 @@ def device_groups(attributes: str) -> dict:
     """
     out = {"groups": None, "pairs": None, "channel_id": None,
            "use_global_device_ids": "use_global_device_ids=true" in attributes}
-    if (m := _GROUP_IOTA.search(attributes)) is not None:
+    if (m := _GROUP_MESH.search(attributes)) is not None:
+        axes = [(a.split("=")[0].strip().strip("'\""), int(a.split("=")[1]))
+                for a in m.group(1).split(",") if "=" in a]
+        reduced = [r.strip().strip("'\"") for r in m.group(2).split(",") if r.strip()]
+        out["groups"] = mesh_groups(axes, reduced)
+    elif (m := _GROUP_IOTA.search(attributes)) is not None:
         ints = [None if s is None else [int(v) for v in s.split(",")] for s in m.groups()]
         out["groups"] = iota_groups(*ints)
     elif (m := _GROUP_LIST.search(attributes)) is not None:
