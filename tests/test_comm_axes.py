@@ -80,7 +80,8 @@ def test_axes_trip_counts_and_bytes_of_a_small_program(spec):
         ax: (1 + 5 + 6, 64 + 5 * 64 + 6 * 32, 3, 0),
         ("data", ax): (1, 64, 1, 0)}
     # the text XLA:CPU printed, and the loops' counts: 5, the outer 2, the inner 2 x 3
-    assert '"known_trip_count":{"n":"5"}' in hlo and "replica_groups={{0,2},{1,3}}" in hlo
+    assert '"known_trip_count":{"n":"5"}' in hlo
+    assert "replica_groups={{0,2},{1,3}}" in hlo or "replica_groups=mesh[" in hlo  # jaxlib 0.12
     assert {5, 2, 6} <= set(comm.trip_counts(hlo).values())
 
 
