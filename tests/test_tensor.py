@@ -331,20 +331,11 @@ def test_tensor_parallel_step_equals_one_device(mesh, num_classes, bn_mode):
 
 
 def replica_groups(line: str):
-    """The replica groups of one HLO collective line, as a set of frozensets (explicit
-    ``{{0,1},{2,3}}`` or iota ``[2,2]<=[4]`` / ``[2,2]<=[2,2]T(1,0)`` form)."""
-    m = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", line)
-    if m:
-        return {frozenset(int(i) for i in g.split(",") if i)
-                for g in re.findall(r"\{([\d,]*)\}", m.group(1))}
-    m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
-    assert m, line
-    groups, per = int(m.group(1)), int(m.group(2))
-    ids = np.arange(int(np.prod([int(s) for s in m.group(3).split(",")])))
-    ids = ids.reshape([int(s) for s in m.group(3).split(",")])
-    if m.group(4):
-        ids = ids.transpose([int(s) for s in m.group(4).split(",")])
-    return {frozenset(row.tolist()) for row in ids.reshape(groups, per)}
+    """The replica groups of one HLO collective line, as a set of frozensets
+    (:func:`trjax.comm.device_groups`: explicit, iota and jaxlib 0.12's mesh-axes forms)."""
+    groups = comm.device_groups(line)["groups"]
+    assert groups is not None, line
+    return {frozenset(g) for g in groups}
 
 
 def test_hlo_has_one_model_all_reduce_each_way_per_pair_and_the_head_gather():
