@@ -7,7 +7,6 @@ The reference is ONE device on the concatenated batch (``sync`` BatchNorm: exact
 same statistics) or, for ``running``, one device per data rank on that rank's rows.
 """
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
