@@ -59,20 +59,31 @@ class TensorLayout(NamedTuple):
       params, batch_stats, opt_state, folded: ``PartitionSpec`` trees of the
         parameters, the BN running statistics, the optimizer state (a
         parameter-shaped subtree gets the parameters' specs, every other leaf
-        ``P()``) and the folded BatchNorm tree of the evaluation.
+        ``P()``; ``None`` until :func:`with_optimizer`) and the folded
+        BatchNorm tree of the evaluation.
+      sizes: the mesh's ``{axis: size}``.
     """
     network: Any
     params: Any
     batch_stats: Any
     opt_state: Any
     folded: Any
+    sizes: dict
+
+    def local_shapes(self, params, batch_stats):
+        """One device's shapes of (abstract) ``params`` and ``batch_stats``
+        (:func:`trjax.tensor.local_shapes`): what the bucket plan packs."""
+        return (tensor.local_shapes(params, self.params, self.sizes),
+                tensor.local_shapes(batch_stats, self.batch_stats, self.sizes))
 
 
-def _like_params(tree, params, param_specs):
+def _like_params(tree, param_specs):
     """Specs for ``tree`` (an optimizer state): each subtree with the structure of
-    ``params`` gets ``param_specs`` (optax's ``trace``, Adam's ``mu``/``nu``, the
-    EMA), every other leaf ``P()`` (step counts, empty states)."""
-    target = jax.tree_util.tree_structure(params)
+    the parameters gets ``param_specs`` (optax's ``trace``, Adam's ``mu``/``nu``,
+    trjax's EMA), every other leaf ``P()`` (step counts, empty states).
+    ``optax.tree_map_params`` does this for a bare optax transformation; the
+    exchange's state also holds :func:`trjax.exchange.with_ema`'s average."""
+    target = jax.tree_util.tree_structure(param_specs, is_leaf=lambda x: isinstance(x, P))
 
     def walk(t):
         if jax.tree_util.tree_structure(t) == target:
@@ -87,33 +98,43 @@ def _like_params(tree, params, param_specs):
     return walk(tree)
 
 
-def tensor_layout(network, exchange, world: World, image_shape: tuple) -> TensorLayout:
-    """The :class:`TensorLayout` of a trjax ResNet on a world with a ``model`` axis.
+def tensor_layout(network, world: World, image_shape: tuple) -> TensorLayout:
+    """The :class:`TensorLayout` of a trjax ResNet on a world with a ``model``
+    axis, without the optimizer state's specs (:func:`with_optimizer`: the
+    exchange is built from the bucket plan, which needs these local shapes).
 
     Args:
       network: the unsplit :class:`trjax.models.Network` of a
         :class:`trjax.models.ResNet`.
-      exchange: the gradient exchange (its ``init`` gives the optimizer state's
-        structure, abstractly).
       world: a world whose mesh has a ``model`` axis.
       image_shape: ``(H, W, C)``.
 
     Raises:
-      ValueError, TypeError: :func:`trjax.tensor.check_tensor_split` (a layer
-        whose channels do not divide by the axis size, a model that is not a
-        trjax ResNet), before anything is traced.
+      ValueError: not a trjax ResNet; a layer whose channels (or the head's
+        classes) do not divide by the axis size
+        (:func:`trjax.tensor.check_tensor_split`), before anything is traced.
     """
     import dataclasses  # noqa: PLC0415
-    size = dict(world.axes)[tensor.TENSOR_AXIS]
-    split = tensor.split_model(network.module, tensor.TENSOR_AXIS, size)
+    if not isinstance(network.module, models.ResNet):
+        raise ValueError(f"a 'model' mesh axis splits trjax's own ResNets (Megatron); "
+                         f"{type(network.module).__name__} is not one: use a built-in model or "
+                         "a mesh with the data axis only")
+    sizes = dict(world.axes)
+    split = tensor.split_model(network.module, tensor.TENSOR_AXIS, sizes[tensor.TENSOR_AXIS])
     variables = jax.eval_shape(lambda k: network.init(k, image_shape), jax.random.key(0))
-    p_specs = tensor.param_specs(variables["params"], split)
     s_specs = tensor.stats_specs(variables["batch_stats"], split)
+    return TensorLayout(dataclasses.replace(network, module=split),
+                        tensor.param_specs(variables["params"], split), s_specs, None,
+                        _rename_leaves(s_specs, {"mean": "scale", "var": "bias"}), sizes)
+
+
+def with_optimizer(layout: TensorLayout, network, exchange, world: World,
+                   image_shape: tuple) -> TensorLayout:
+    """``layout`` with the specs of ``exchange``'s optimizer state (its ``init``
+    traced abstractly on the full parameters of the unsplit ``network``)."""
+    variables = jax.eval_shape(lambda k: network.init(k, image_shape), jax.random.key(0))
     opt = jax.eval_shape(lambda p: exchange.init(p, world)[0], variables["params"])
-    rename = {"mean": "scale", "var": "bias"}
-    folded = _rename_leaves(s_specs, rename)
-    return TensorLayout(dataclasses.replace(network, module=split), p_specs, s_specs,
-                        _like_params(opt, variables["params"], p_specs), folded)
+    return layout._replace(opt_state=_like_params(opt, layout.params))
 
 
 def _rename_leaves(tree, rename):

@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import aot, models, optim, pipeline, steps, tensor
+from trjax import aot, models, optim, pipeline, steps
 from trjax.data import input_pipeline
 from trjax.train import config as config_lib
 from trjax import exchange as exchange_lib
@@ -27,7 +27,7 @@ from trjax.cpu.im2col import resolve_conv_lowering
 from trjax.metrics import METRICS, StepMetrics
 from trjax.plan import build_plan
 from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
-from trjax.state import TensorLayout, tensor_layout, train_state_program
+from trjax.state import TensorLayout, tensor_layout, train_state_program, with_optimizer
 from trjax.world import host_value, make_world
 
 
@@ -154,14 +154,16 @@ def prepare(config: ml_collections.ConfigDict,
                          "'model' axis it would see each device's slice of a split layer, so a "
                          "norm over a layer or all leaves (clipping, LARS) would be per slice; use "
                          "config.optimizer='sgd' or 'adamw', or a mesh without 'model'")
-    local = _tensor_local(model, world, data.image_shape) if "model" in dict(world.axes) \
+    layout = tensor_layout(model, world, data.image_shape) if "model" in dict(world.axes) \
         else None
-    plan = build_plan(model, data.image_shape, config.buckets, local=local)
+    plan = build_plan(model, data.image_shape, config.buckets,
+                      local=None if layout is None else layout.local_shapes)
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
     exchange = exchange_lib.from_config(config, plan, schedule, world, tx=tx)
-    layout = tensor_layout(model, exchange, world, data.image_shape) if local else None
+    if layout is not None:
+        layout = with_optimizer(layout, model, exchange, world, data.image_shape)
     full = input_pipeline.train_batches_full(data.train, world.global_batch_size,
                                              config.train_remainder)
     if loss_fn is not None:
@@ -196,24 +198,6 @@ def _check_pipeline(config, world, model, image_shape) -> pipeline.StagePlan | N
             raise ValueError(f"config.pipeline_stage_starts={config.pipeline_stage_starts!r}: "
                              f"{e}") from e
         raise
-
-
-def _tensor_local(model, world, image_shape):
-    """``(params, batch_stats) -> per-device shapes`` of a tensor-parallel run
-    (the bucket plan packs what a device holds), after
-    :func:`trjax.tensor.check_tensor_split` (a layer that does not divide by
-    the ``model`` axis is an error here, before anything is traced)."""
-    if not isinstance(model.module, models.ResNet):
-        raise ValueError(f"a 'model' mesh axis splits trjax's own ResNets (Megatron); "
-                         f"{type(model.module).__name__} is not one: use a built-in model or a "
-                         "mesh with the data axis only")
-    sizes = dict(world.axes)
-    split = tensor.split_model(model.module, tensor.TENSOR_AXIS, sizes[tensor.TENSOR_AXIS])
-
-    def local(params, batch_stats):
-        return (tensor.local_shapes(params, tensor.param_specs(params, split), sizes),
-                tensor.local_shapes(batch_stats, tensor.stats_specs(batch_stats, split), sizes))
-    return local
 
 
 def data_identity(split) -> dict:
