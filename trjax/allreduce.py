@@ -42,25 +42,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from trjax.collectives import as_varying
+
 __all__ = ["ring_allreduce", "halving_doubling_allreduce", "tree_allreduce",
            "hierarchical_allreduce", "xla_allreduce", "ALGORITHMS", "cost_model"]
 
 
 # --------------------------------------------------------------------------- helpers
-
-def _as_varying(x: jax.Array, axis_name) -> jax.Array:
-    """``x`` typed as varying over ``axis_name`` (a no-op when it already is).
-
-    Loop carries must keep one type, and a ``ppermute`` result is varying, so
-    an invariant input (a replicated constant) is cast up front.
-    """
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; earlier: aval.vma
-    varying = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
-    if axis_name in varying:
-        return x
-    return lax.pcast(x, axis_name, to="varying")
-
 
 def _chunks(x: jax.Array, parts: int) -> tuple[jax.Array, int]:
     """``x`` flattened, zero-padded to a multiple of ``parts`` and reshaped to
@@ -121,7 +109,7 @@ def ring_allreduce(x: jax.Array, axis_name) -> jax.Array:
     n_ranks = lax.axis_size(axis_name)
     if n_ranks == 1 or x.size == 0:
         return x
-    chunks, n = _chunks(_as_varying(x, axis_name), n_ranks)
+    chunks, n = _chunks(as_varying(x, axis_name), n_ranks)
     rank = lax.axis_index(axis_name)
     to_next = [(i, (i + 1) % n_ranks) for i in range(n_ranks)]
 
@@ -183,7 +171,7 @@ def halving_doubling_allreduce(x: jax.Array, axis_name) -> jax.Array:
     p = 1 << (n_ranks.bit_length() - 1)
     rem = n_ranks - p
     rank = lax.axis_index(axis_name)
-    flat = _as_varying(x, axis_name).reshape(-1)
+    flat = as_varying(x, axis_name).reshape(-1)
     if rem:  # fold ranks 2i into 2i+1 (i < rem)
         folded = lax.ppermute(flat, axis_name, [(2 * i, 2 * i + 1) for i in range(rem)])
         flat = jnp.where((rank < 2 * rem) & (rank % 2 == 1), flat + folded, flat)
@@ -245,7 +233,7 @@ def tree_allreduce(x: jax.Array, axis_name) -> jax.Array:
     if n_ranks == 1 or x.size == 0:
         return x
     rank = lax.axis_index(axis_name)
-    acc = _as_varying(x, axis_name)
+    acc = as_varying(x, axis_name)
     dists = [1 << i for i in range(_ceil_log2(n_ranks))]
     for d in dists:
         recv = lax.ppermute(acc, axis_name, [(r, r - d) for r in range(d, n_ranks, 2 * d)])

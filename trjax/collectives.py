@@ -22,6 +22,23 @@ from jax import lax
 
 
 
+def as_varying(x: jax.Array, axes) -> jax.Array:
+    """``x`` typed as varying over the mesh axis ``axes`` (a name or a tuple of
+    names), casting only over those it is not varying over yet (a no-op when
+    none is missing, and under ``check_vma=False`` where nothing is typed).
+
+    Loop carries, ``lax.switch`` branches and a ``custom_vjp``'s cotangents
+    must keep one type; a ``ppermute`` result is varying, so an invariant value
+    (a replicated constant) is cast up front. Reads the type with
+    ``jax.typeof`` (``manual_axis_type.varying`` from jax 0.10, ``vma`` before).
+    """
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    have = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
+    missing = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if a not in have)
+    return lax.pcast(x, missing, to="varying") if missing else x
+
+
 def after(x: jax.Array, done: jax.Array) -> jax.Array:
     """Returns ``x`` unchanged, bit for bit, but data-dependent on ``done``.
 

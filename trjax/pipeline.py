@@ -58,6 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from trjax import models
+from trjax.collectives import as_varying
 from trjax.batchnorm import BatchNorm, BatchNormContext, linen_interceptor
 from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
 from trjax.metrics import batch_metrics
@@ -300,16 +301,6 @@ SCHEDULES = ("gpipe", "1f1b")
 Training", ICML 2021; Megatron-LM's ``forward_backward_pipelining_without_interleaving``)."""
 
 
-def _varying(x, axes):
-    """``x`` cast to varying over every axis of ``axes`` it is not varying over yet
-    (loop carries and ``lax.switch`` branches must agree on the type)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; earlier: aval.vma
-    have = mat.varying if mat is not None else getattr(aval, "vma", frozenset())
-    missing = tuple(a for a in axes if a not in have)
-    return lax.pcast(x, missing, to="varying") if missing else x
-
-
 def _subtree(tree: dict, names) -> dict:
     return {k: tree[k] for k in names if k in tree}
 
@@ -446,8 +437,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     # (the step then all-reduces them over the stage axis only)
     bn_axes = (stage_axis,) if bn_mode == "sync" else axes
     zeros_bn = lambda: jax.tree_util.tree_map(
-        lambda s: _varying(jnp.zeros(s.shape, s.dtype), bn_axes), bn_shapes)
-    zeros_buf = lambda b, v=0.0: _varying(jnp.full(shapes[b].shape, v, shapes[b].dtype), axes)
+        lambda s: as_varying(jnp.zeros(s.shape, s.dtype), bn_axes), bn_shapes)
+    zeros_buf = lambda b, v=0.0: as_varying(jnp.full(shapes[b].shape, v, shapes[b].dtype), axes)
 
     def branch(k):
         def fn(p, inputs, mask, label, valid):
@@ -455,24 +446,24 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
             y, own = run_stage(k, p, x_in, mask)
             bn = zeros_bn()
             bn.update(own)
-            bn = jax.tree_util.tree_map(lambda a: _varying(a, bn_axes), bn)
+            bn = jax.tree_util.tree_map(lambda a: as_varying(a, bn_axes), bn)
             outs = [zeros_buf(b) for b in range(S - 1)]
             if k < S - 1:
-                outs[k] = _varying(y.astype(shapes[k].dtype), axes)
+                outs[k] = as_varying(y.astype(shapes[k].dtype), axes)
                 sums = jnp.zeros((4,), jnp.float32)
             else:
                 losses = None
                 if loss_fn is not None or label_smoothing > 0:
                     losses = example_losses(y, label, loss_fn, label_smoothing)
                 sums = batch_metrics(y, label, mask, losses)
-            return tuple(outs), _varying(sums, axes), bn
+            return tuple(outs), as_varying(sums, axes), bn
         return fn
 
     branches = [branch(k) for k in range(S)]
     stage = lax.axis_index(stage_axis)
     if schedule == "1f1b":
         grads, sums, bn_sums = _one_f_one_b(
-            jax.tree_util.tree_map(lambda a: _varying(a, axes), params), branches, run_stage,
+            jax.tree_util.tree_map(lambda a: as_varying(a, axes), params), branches, run_stage,
             _Loop(S, M, mu, axes, stage_axis, stage, shapes, zeros_bn, zeros_buf,
                   images[:M], labels[:M], masks[:M], bubble_fill),
             lambda y, label, mask: _loss_sum(y, label, mask, loss_fn, label_smoothing,
@@ -487,9 +478,9 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
             valid = (j >= 0) & (j < M)
             jc = jnp.clip(j, 0, T - 1)
             mask = jnp.where(valid, masks[jc], jnp.zeros_like(masks[jc]))
-            inputs = (_varying(images[t], axes),) + tuple(bufs)
-            outs, sums, bn = lax.switch(stage, branches, p, inputs, _varying(mask, axes),
-                                        _varying(labels[jc], axes), valid)
+            inputs = (as_varying(images[t], axes),) + tuple(bufs)
+            outs, sums, bn = lax.switch(stage, branches, p, inputs, as_varying(mask, axes),
+                                        as_varying(labels[jc], axes), valid)
             sums = jnp.where(valid, sums, jnp.zeros_like(sums))
             bn = jax.tree_util.tree_map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), bn)
             outs = [jnp.where(valid, o, jnp.zeros_like(o)) for o in outs]
@@ -500,12 +491,12 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
                     jax.tree_util.tree_map(jnp.add, bn_acc, bn), loss_acc + loss), None
 
         init = (tuple(zeros_buf(b, bubble_fill) for b in range(S - 1)),
-                _varying(jnp.zeros((4,), jnp.float32), axes), zeros_bn(),
-                _varying(jnp.zeros((), jnp.float32), axes))
+                as_varying(jnp.zeros((4,), jnp.float32), axes), zeros_bn(),
+                as_varying(jnp.zeros((), jnp.float32), axes))
         (_, sums, bn, loss), _ = lax.scan(tick, init, jnp.arange(T, dtype=jnp.int32))
         return loss, (sums, bn)
 
-    p = jax.tree_util.tree_map(lambda a: _varying(a, axes), params)
+    p = jax.tree_util.tree_map(lambda a: as_varying(a, axes), params)
     (_, (sums, bn_sums)), grads = jax.value_and_grad(objective, has_aux=True)(p)
     models.check_batch_stats(batch_stats, rules)
     return grads, sums, bn_sums, rules
@@ -563,8 +554,8 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
     width = max(math.prod(s) for s in in_shapes)
     K = 2 * S - 1
     dtype = jnp.result_type(*in_dtypes)
-    flat = lambda x: _varying(jnp.pad(x.reshape(-1).astype(dtype), (0, width - x.size)), axes)
-    zeros_grads = jax.tree_util.tree_map(lambda a: _varying(jnp.zeros_like(a), axes), p)
+    flat = lambda x: as_varying(jnp.pad(x.reshape(-1).astype(dtype), (0, width - x.size)), axes)
+    zeros_grads = jax.tree_util.tree_map(lambda a: as_varying(jnp.zeros_like(a), axes), p)
 
     def backward(k):
         def fn(x_flat, cots, mask, label, valid):
@@ -579,10 +570,10 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
                 ct = jnp.where(valid, jnp.ones_like(y), jnp.zeros_like(y))
             dp, dx = vjp(ct)
             dp = jax.tree_util.tree_map(
-                lambda g: _varying(jnp.where(valid, g, jnp.zeros_like(g)), axes), dp)
+                lambda g: as_varying(jnp.where(valid, g, jnp.zeros_like(g)), axes), dp)
             outs = [lp.zeros_buf(b) for b in range(S - 1)]
             if k > 0:
-                outs[k - 1] = _varying(jnp.where(valid, dx, jnp.zeros_like(dx)).astype(
+                outs[k - 1] = as_varying(jnp.where(valid, dx, jnp.zeros_like(dx)).astype(
                     lp.shapes[k - 1].dtype), axes)
             return dp, tuple(outs)
         return fn
@@ -596,10 +587,10 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
         cf, cb = jnp.clip(jf, 0, M - 1), jnp.clip(jb, 0, M - 1)
         mf = jnp.where(vf, lp.masks[cf], jnp.zeros_like(lp.masks[cf]))
         mb = jnp.where(vb, lp.masks[cb], jnp.zeros_like(lp.masks[cb]))
-        inputs = (_varying(lp.images[cf], axes),) + tuple(fwd)
+        inputs = (as_varying(lp.images[cf], axes),) + tuple(fwd)
         # F: this device's stage on micro-batch jf; its input goes into the stash
-        outs, sums, bn = lax.switch(stage, forward_branches, p, inputs, _varying(mf, axes),
-                                    _varying(lp.labels[cf], axes), vf)
+        outs, sums, bn = lax.switch(stage, forward_branches, p, inputs, as_varying(mf, axes),
+                                    as_varying(lp.labels[cf], axes), vf)
         x_in = lax.switch(stage, [lambda i, k=k: flat(i[k]) for k in range(S)], inputs)
         slot = jf % K
         stash = stash.at[slot].set(jnp.where(vf, x_in, stash[slot]))
@@ -609,7 +600,7 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
         outs = [jnp.where(vf, o, jnp.zeros_like(o)) for o in outs]
         # B: micro-batch jb from its stashed input and the cotangent received last tick
         dp, douts = lax.switch(stage, backward_branches, stash[jb % K], tuple(bwd),
-                               _varying(mb, axes), _varying(lp.labels[cb], axes), vb)
+                               as_varying(mb, axes), as_varying(lp.labels[cb], axes), vb)
         grads = jax.tree_util.tree_map(jnp.add, grads, dp)
         fwd = tuple(lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)]) for b in range(S - 1))
         bwd = tuple(lax.ppermute(douts[b], lp.stage_axis, [(b + 1, b)]) for b in range(S - 1))
@@ -617,8 +608,8 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
 
     init = (tuple(lp.zeros_buf(b, lp.fill) for b in range(S - 1)),
             tuple(lp.zeros_buf(b, lp.fill) for b in range(S - 1)),
-            _varying(jnp.full((K, width), lp.fill, dtype), axes), zeros_grads,
-            _varying(jnp.zeros((4,), jnp.float32), axes), lp.zeros_bn())
+            as_varying(jnp.full((K, width), lp.fill, dtype), axes), zeros_grads,
+            as_varying(jnp.zeros((4,), jnp.float32), axes), lp.zeros_bn())
     (_, _, _, grads, sums, bn), _ = lax.scan(tick, init,
                                              jnp.arange(M + 2 * S - 2, dtype=jnp.int32))
     return grads, sums, bn

@@ -67,6 +67,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from trjax.collectives import as_varying
+
 TENSOR_AXIS = "model"
 """The mesh axis tensor parallelism splits over (:data:`trjax.world.MESH_AXES`)."""
 
@@ -79,17 +81,6 @@ HEAD_ROLES = {"head": "head"}
 
 
 # -- Megatron's f, g and gather (megatron/core/tensor_parallel/mappings.py) ------------------
-
-
-def _to_type_of(ct, axis):
-    """``ct`` cast to varying over ``axis`` when it is not (``check_vma=True``: a
-    replicated value entering split compute, or the cotangent of a model-varying
-    primal, must be varying; a no-op with ``check_vma=False``, where nothing is typed)."""
-    aval = jax.typeof(ct)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10; earlier: aval.vma
-    if axis in (mat.varying if mat is not None else getattr(aval, "vma", frozenset())):
-        return ct
-    return lax.pcast(ct, axis, to="varying")
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
@@ -110,11 +101,11 @@ def copy_to_model(x, axis: str):
     Source: ``copy_to_tensor_model_parallel_region`` /
     ``_CopyToModelParallelRegion`` in ``megatron/core/tensor_parallel/mappings.py``.
     """
-    return _to_type_of(x, axis)
+    return as_varying(x, axis)
 
 
 def _copy_fwd(x, axis):
-    return _to_type_of(x, axis), None
+    return as_varying(x, axis), None
 
 
 def _copy_bwd(axis, _, ct):
@@ -151,7 +142,7 @@ def _reduce_fwd(x, axis):
 
 
 def _reduce_bwd(axis, _, ct):
-    return (_to_type_of(ct, axis),)
+    return (as_varying(ct, axis),)
 
 
 reduce_from_model.defvjp(_reduce_fwd, _reduce_bwd)
@@ -192,7 +183,7 @@ def _gather_fwd(x, axis, dim):
 def _gather_bwd(axis, dim, _, ct):
     d = dim % ct.ndim
     n = ct.shape[d] // lax.axis_size(axis)
-    return (lax.dynamic_slice_in_dim(_to_type_of(ct, axis), lax.axis_index(axis) * n, n, d),)
+    return (lax.dynamic_slice_in_dim(as_varying(ct, axis), lax.axis_index(axis) * n, n, d),)
 
 
 gather_from_model.defvjp(_gather_fwd, _gather_bwd)
