@@ -452,54 +452,58 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
                 outs[k] = as_varying(y.astype(shapes[k].dtype), axes)
                 sums = jnp.zeros((4,), jnp.float32)
             else:
-                losses = None
-                if loss_fn is not None or label_smoothing > 0:
-                    losses = example_losses(y, label, loss_fn, label_smoothing)
-                sums = batch_metrics(y, label, mask, losses)
+                sums = _loss_sum(y, label, mask, loss_fn, label_smoothing, None)[0]
             return tuple(outs), as_varying(sums, axes), bn
         return fn
 
     branches = [branch(k) for k in range(S)]
-    stage = lax.axis_index(stage_axis)
+    lp = _Loop(S, M, mu, axes, stage_axis, lax.axis_index(stage_axis), shapes, zeros_bn,
+               zeros_buf, images, labels, masks, bubble_fill)
+    p = jax.tree_util.tree_map(lambda a: as_varying(a, axes), params)
     if schedule == "1f1b":
         grads, sums, bn_sums = _one_f_one_b(
-            jax.tree_util.tree_map(lambda a: as_varying(a, axes), params), branches, run_stage,
-            _Loop(S, M, mu, axes, stage_axis, stage, shapes, zeros_bn, zeros_buf,
-                  images[:M], labels[:M], masks[:M], bubble_fill),
+            p, branches, run_stage, lp,
             lambda y, label, mask: _loss_sum(y, label, mask, loss_fn, label_smoothing,
                                              loss_scale))
-        models.check_batch_stats(batch_stats, rules)
-        return grads, sums, bn_sums, rules
+    else:
+        grads, sums, bn_sums = _gpipe(p, branches, lp, loss_scale)
+    models.check_batch_stats(batch_stats, rules)
+    return grads, sums, bn_sums, rules
+
+
+def _gpipe(p, branches, lp: "_Loop", loss_scale):
+    """GPipe's loop of ``M + S - 1`` ticks (the forward), differentiated by
+    autodiff (the backward: the transposed loop, the inverse permutes carrying
+    the cotangents upstream). Returns ``(grads, sums, bn_sums)``."""
+    S, M, axes, stage = lp.S, lp.M, lp.axes, lp.stage
 
     def objective(p):
         def tick(carry, t):
             bufs, sums_acc, bn_acc, loss_acc = carry
             j = t - stage
             valid = (j >= 0) & (j < M)
-            jc = jnp.clip(j, 0, T - 1)
-            mask = jnp.where(valid, masks[jc], jnp.zeros_like(masks[jc]))
-            inputs = (as_varying(images[t], axes),) + tuple(bufs)
+            jc = jnp.clip(j, 0, M + S - 2)
+            mask = jnp.where(valid, lp.masks[jc], jnp.zeros_like(lp.masks[jc]))
+            inputs = (as_varying(lp.images[t], axes),) + tuple(bufs)
             outs, sums, bn = lax.switch(stage, branches, p, inputs, as_varying(mask, axes),
-                                        as_varying(labels[jc], axes), valid)
+                                        as_varying(lp.labels[jc], axes), valid)
             sums = jnp.where(valid, sums, jnp.zeros_like(sums))
             bn = jax.tree_util.tree_map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), bn)
             outs = [jnp.where(valid, o, jnp.zeros_like(o)) for o in outs]
-            new_bufs = tuple(lax.ppermute(outs[b], stage_axis, [(b, b + 1)])
+            new_bufs = tuple(lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)])
                              for b in range(S - 1))
             loss = sums[0] if loss_scale is None else sums[0] * loss_scale
             return (new_bufs, sums_acc + sums,
                     jax.tree_util.tree_map(jnp.add, bn_acc, bn), loss_acc + loss), None
 
-        init = (tuple(zeros_buf(b, bubble_fill) for b in range(S - 1)),
-                as_varying(jnp.zeros((4,), jnp.float32), axes), zeros_bn(),
+        init = (tuple(lp.zeros_buf(b, lp.fill) for b in range(S - 1)),
+                as_varying(jnp.zeros((4,), jnp.float32), axes), lp.zeros_bn(),
                 as_varying(jnp.zeros((), jnp.float32), axes))
-        (_, sums, bn, loss), _ = lax.scan(tick, init, jnp.arange(T, dtype=jnp.int32))
+        (_, sums, bn, loss), _ = lax.scan(tick, init, jnp.arange(M + S - 1, dtype=jnp.int32))
         return loss, (sums, bn)
 
-    p = jax.tree_util.tree_map(lambda a: as_varying(a, axes), params)
     (_, (sums, bn_sums)), grads = jax.value_and_grad(objective, has_aux=True)(p)
-    models.check_batch_stats(batch_stats, rules)
-    return grads, sums, bn_sums, rules
+    return grads, sums, bn_sums
 
 
 def _loss_sum(y, label, mask, loss_fn, label_smoothing, loss_scale):
@@ -513,7 +517,7 @@ def _loss_sum(y, label, mask, loss_fn, label_smoothing, loss_scale):
 
 @dataclasses.dataclass(frozen=True)
 class _Loop:
-    """What the 1F1B loop shares with GPipe's (built in :func:`pipeline_forward_backward`)."""
+    """What the GPipe and 1F1B loops share (built in :func:`pipeline_forward_backward`)."""
     S: int
     M: int
     mu: int
@@ -523,9 +527,9 @@ class _Loop:
     shapes: list          # boundary b's activation (ShapeDtypeStruct of mu rows)
     zeros_bn: object      # () -> every BN layer's zero sums
     zeros_buf: object     # (b, value) -> boundary b's buffer
-    images: jax.Array     # [M, mu, H, W, C], standardised
-    labels: jax.Array     # [M, mu]
-    masks: jax.Array      # [M, mu]
+    images: jax.Array     # [M + S - 1, mu, H, W, C], standardised; the last S - 1 bubbles
+    labels: jax.Array     # [M + S - 1, mu]
+    masks: jax.Array      # [M + S - 1, mu] (0 in the bubbles)
     fill: float           # the value unused buffers start with (bubble_fill)
 
 
