@@ -624,7 +624,7 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
 
 def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_batch: int,
                    num_microbatches: int, starts: Sequence[str] | None = None,
-                   what: str | None = None) -> StagePlan:
+                   what: str | None = None, starts_what: str | None = None) -> StagePlan:
     """Every check of a pipelined run, before anything is traced.
 
     Args:
@@ -636,6 +636,8 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
       num_microbatches: M.
       starts: the block names that begin stages 1 .. S-1, or ``None`` (balanced).
       what: how the messages name M (default ``config.pipeline_microbatches=M``).
+      starts_what: how the messages name ``starts`` (e.g.
+        ``"config.pipeline_stage_starts='...'"``), prefixed to their errors.
 
     Returns:
       The :class:`StagePlan`.
@@ -657,7 +659,12 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
                          f"{num_stages} stages and a local batch of {local_batch} rows: it must "
                          f"be >= {num_stages} (else stages idle) and divide {local_batch}; "
                          f"valid: {valid[:12]}")
-    return plan_stages(module, image_shape, num_stages, starts)
+    try:
+        return plan_stages(module, image_shape, num_stages, starts)
+    except ValueError as e:
+        if starts is None or starts_what is None:
+            raise
+        raise ValueError(f"{starts_what}: {e}") from e
 
 
 def make_train_step(model, exchange, plan, world, bn_mode: str, num_microbatches: int,

@@ -190,14 +190,9 @@ def _check_pipeline(config, world, model, image_shape) -> pipeline.StagePlan | N
     starts = [b.strip() for b in config.pipeline_stage_starts.split(",") if b.strip()]
     what = (f"config.pipeline_microbatches={M}" if config.pipeline_microbatches else
             f"config.pipeline_microbatches=0 (the default: 4 x {S} stages = {M})")
-    try:
-        return pipeline.check_pipeline(model.module, image_shape, S, world.local_batch_size, M,
-                                       starts or None, what=what)
-    except ValueError as e:
-        if starts and "stage starts" in str(e):
-            raise ValueError(f"config.pipeline_stage_starts={config.pipeline_stage_starts!r}: "
-                             f"{e}") from e
-        raise
+    return pipeline.check_pipeline(
+        model.module, image_shape, S, world.local_batch_size, M, starts or None, what=what,
+        starts_what=f"config.pipeline_stage_starts={config.pipeline_stage_starts!r}")
 
 
 def data_identity(split) -> dict:
