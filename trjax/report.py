@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trjax import allreduce, comm
+from trjax import allreduce, comm, pipeline
 from trjax.metrics import METRICS
 from trjax.regions import Region
 
@@ -95,7 +95,7 @@ def comm_report(tr) -> dict:
                                      "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes,
                                      "N": n_grad}
     if getattr(tr, "stages", None) is not None:
-        out["traffic_per_rank_bytes"]["pipeline"] = _pipeline_model(tr)
+        out["traffic_per_rank_bytes"]["pipeline"] = pipeline_traffic(tr)
     out["cost_model"] = {
         alg: [{"bucket": b, **allreduce.cost_model(alg, plan.bucket_bytes(b), n)}
               for b in plan.bucket_elements]
@@ -113,11 +113,10 @@ _AXIS_LABELS = {
 collectives the plan's sizes do not name)."""
 
 
-def _pipeline_model(tr) -> dict:
+def pipeline_traffic(tr) -> dict:
     """The GPipe point-to-point model (:func:`trjax.comm.pipeline_bytes`) of a
     pipelined trainer: useful bytes per data replica's pipeline per step, and
     what the loop issues (M + S - 1 permutes per boundary and direction)."""
-    from trjax import pipeline  # noqa: PLC0415 -- only for pipelined trainers
     st = tr.stages
     layout = pipeline.block_layout(tr.model.module, tr.data.image_shape)
     shapes = [layout[hi - 1]["out_shape"] for _, hi in st.bounds[:-1]]

@@ -102,7 +102,7 @@ def _build(a, name, reference, data, variants) -> dict:
     """Builds one variant (``name``: a mesh, or ``data:D accum:M``) and its row."""
     from benchmarking.common import make_config
     from benchmarking.variants import JaxVariant
-    from trjax import comm, pipeline
+    from trjax import comm, report
     mesh, _, accum = name.partition(" accum:")
     sizes = _mesh_sizes(mesh)
     n = 1
@@ -134,11 +134,9 @@ def _build(a, name, reference, data, variants) -> dict:
                          "microbatches": M, "bubble": (S - 1) / (M + S - 1),
                          "bubble_time_factor": (M + S - 1) / M,
                          "remat": bool(c.pipeline_remat)}
-        layout = pipeline.block_layout(tr.model.module, data.image_shape)
-        shapes = [layout[hi - 1]["out_shape"] for _, hi in tr.stages.bounds[:-1]]
-        useful = comm.pipeline_bytes(M, tr.world.local_batch_size // M, shapes,
-                                     4 if a.precision == "fp32" else 2)
-        row["model_bytes"].update(stage_useful=useful, stage_issued=useful * (M + S - 1) // M)
+        traffic = report.pipeline_traffic(tr)
+        row["model_bytes"].update(stage_useful=traffic["useful_bytes"],
+                                  stage_issued=traffic["issued_bytes"])
     print(f"  {name}: built in {row['build_s']:.1f} s; temp "
           f"{row['memory'].get('temp', 0) / 2**20:.1f} MiB/device", flush=True)
     variants[name] = v
