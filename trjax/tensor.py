@@ -50,9 +50,8 @@ slice; the step then all-reduces both over ``data`` only, from local shapes
 
 Optimizer caveat: elementwise optimizers (SGD, momentum, Adam, weight decay)
 need nothing. Per-layer norms (LARS/LAMB trust ratios) and global-norm clipping
-need the split leaves' squares summed over ``model``: use
-:func:`model_sum_of_squares` / :func:`leaf_sums_of_squares`, or the step must
-refuse those optimizers when ``model > 1``.
+would need the split leaves' squares summed over ``model``; the trainer refuses
+them (and a user optimizer) on a ``model`` mesh.
 """
 
 from __future__ import annotations
@@ -444,42 +443,3 @@ def shard_tree(tree, specs, mesh):
     """
     return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
                                   tree, specs, is_leaf=lambda x: isinstance(x, P))
-
-
-# -- norms for LARS / global-norm clipping -------------------------------------------------
-
-
-def leaf_sums_of_squares(tree, specs, axis: str = TENSOR_AXIS):
-    """Per leaf, the sum of squares of the FULL leaf, inside ``shard_map`` on local slices.
-
-    Args:
-      tree: local slices (floats), e.g. gradients or parameters.
-      specs: their ``PartitionSpec`` tree (:func:`param_specs`).
-      axis: the model axis.
-
-    Returns:
-      A tree of float32 scalars: ``psum(sum(x^2), axis)`` for a leaf split over
-      ``axis``, ``sum(x^2)`` for a replicated one (already whole on every rank).
-      The same on every model rank. For per-layer trust ratios (LARS).
-    """
-    def one(x, spec):
-        s = jnp.sum(jnp.square(x.astype(jnp.float32)))
-        split = any(e == axis or (isinstance(e, tuple) and axis in e) for e in spec)
-        return lax.psum(s, axis) if split else s
-    return jax.tree_util.tree_map(one, tree, specs, is_leaf=lambda x: isinstance(x, P))
-
-
-def model_sum_of_squares(tree, specs, axis: str = TENSOR_AXIS):
-    """The sum of squares of the whole (full) tree, a float32 scalar, from local
-    slices inside ``shard_map``: ``sqrt`` of it is the global norm for clipping.
-    One ``psum`` over ``axis`` (of the split leaves' total). Args as
-    :func:`leaf_sums_of_squares`."""
-    split, whole = jnp.zeros((), jnp.float32), jnp.zeros((), jnp.float32)
-    for x, spec in zip(jax.tree_util.tree_leaves(tree),
-                       jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, P))):
-        s = jnp.sum(jnp.square(x.astype(jnp.float32)))
-        if any(e == axis or (isinstance(e, tuple) and axis in e) for e in spec):
-            split = split + s
-        else:
-            whole = whole + s
-    return lax.psum(split, axis) + whole
