@@ -90,7 +90,7 @@ def comm_report(tr) -> dict:
                 sorted(plan.bucket_elements.values())
     grad_bytes = sum(plan.bucket_bytes(b) for b in plan.bucket_elements)
     n_grad = n
-    out["mesh"] = ",".join(f"{a}:{k}" for a, k in tr.world.axes)
+    out["mesh"] = tr.world.mesh_spec
     out["traffic_per_rank_bytes"] = {"gradients": comm.ring_traffic_bytes(grad_bytes, n_grad),
                                      "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes,
                                      "N": n_grad}

@@ -62,6 +62,12 @@ class World:
         return tuple((n, int(self.mesh.shape[n])) for n in self.mesh.axis_names)
 
     @property
+    def mesh_spec(self) -> str:
+        """The mesh as ``config.mesh`` writes it: ``"data:2,stage:4"`` (a 1-D
+        world: ``"data:N"``)."""
+        return ",".join(f"{n}:{k}" for n, k in self.axes)
+
+    @property
     def data_size(self) -> int:
         """The size of the data axis: the number of batch shards
         (``global_batch_size // local_batch_size``); ``world_size`` on a 1-D world."""

@@ -36,7 +36,6 @@ import numpy as np
 from trjax.cpu import host
 from trjax.data import input_pipeline
 from trjax.train import checkpoint, compilation, distributed, loop_io, metrics_log, stops
-from trjax.train import config as config_lib
 from trjax.train.trainer import Trainer, checkpoint_keys, evaluate_pass, prepare, setup
 from trjax.train.workdir import check_writable, holds_workdir
 from trjax.world import host_value
@@ -177,15 +176,14 @@ def check_workdir(config, workdir: str, tr: Trainer, expect: dict) -> bool:
 def _announce(tr: Trainer, compiles, say) -> None:
     """The start-up lines: the world, the buckets, the compilation cache's use."""
     world, plan, config = tr.world, tr.plan, tr.config
-    mesh = ",".join(f"{n}:{k}" for n, k in world.axes)
     say(f"world_size={world.world_size} devices={[d.id for d in world.devices]} "
-        f"({world.devices[0].platform}, {jax.process_count()} process(es)) mesh={mesh} "
+        f"({world.devices[0].platform}, {jax.process_count()} process(es)) mesh={world.mesh_spec} "
         f"global_batch={world.global_batch_size} local_batch={world.local_batch_size} "
         f"bn_mode={config.bn_mode} precision={config.precision} "
         f"train_padding_mask={not tr.full_batches}")
     if tr.stages is not None:
         st = tr.stages
-        say(f"pipeline: {st.num_stages} stages x {config_lib.pipeline_microbatches(config)} "
+        say(f"pipeline: {st.num_stages} stages x {tr.microbatches} "
             f"micro-batches ({config.pipeline_schedule}), stage MAC shares "
             + "/".join(f"{100 * x:.1f}%" for x in st.shares)
             + f" (max/mean {st.imbalance:.2f}), stages begin at "
@@ -425,8 +423,8 @@ class Run:
             **{f"val_{k}": val[k] for k in ("ema_top1", "ema_top5", "ema_loss") if k in val},
             "val_examples": val["count"],
             "world_size": world.world_size, "process_count": jax.process_count(),
-            "mesh": ",".join(f"{n}:{k}" for n, k in world.axes),
-            **({"pipeline_microbatches": config_lib.pipeline_microbatches(config),
+            "mesh": world.mesh_spec,
+            **({"pipeline_microbatches": tr.microbatches,
                 "pipeline_stage_shares": list(tr.stages.shares)} if tr.stages else {}),
             "global_batch_size": world.global_batch_size,
             "local_batch_size": world.local_batch_size, "platform": world.devices[0].platform,
