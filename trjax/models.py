@@ -168,6 +168,10 @@ class ResNet(nn.Module):
       tensor_stages: 1-based stage numbers to split (``None``: the last stage).
       tensor_head: split the head over classes (``num_classes`` must divide by
         ``tensor_size``); ``False`` keeps it replicated.
+      blocks: ``(lo, hi)``: run only residual blocks ``lo .. hi-1`` (in call
+        order), with the stem when ``lo == 0`` and the pooling + head when
+        ``hi`` is the last: a pipeline stage (:func:`trjax.pipeline.stage_modules`),
+        reading the same parameter paths; ``None``: the whole model.
 
     The input is used as it comes (the steps standardise it, :func:`normalize`);
     the convolutions cast it to ``dtype``.
@@ -189,9 +193,12 @@ class ResNet(nn.Module):
     tensor_size: int = 1
     tensor_stages: Optional[Sequence[int]] = None
     tensor_head: bool = True
+    blocks: Optional[tuple] = None
 
     @nn.compact
     def __call__(self, x, train: bool = True, mask=None):
+        total = sum(self.stage_sizes)
+        lo, hi = self.blocks if self.blocks is not None else (0, total)
         t = self.tensor_size if self.tensor_axis is not None else 1
         if t > 1 and lax.axis_size(self.tensor_axis) != t:
             raise ValueError(f"tensor_size={t} but the mesh axis {self.tensor_axis!r} has "
@@ -202,20 +209,26 @@ class ResNet(nn.Module):
         im2col = resolve_conv_lowering(self.conv_lowering) == "im2col"
         conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
                                  conv_general_dilated_cls=Im2colConv if im2col else None)
-        if self.stem == "imagenet":
-            x = conv(self.stem_width, (7, 7), (2, 2), padding=3, name="stem_conv")(x)
-        else:
-            x = conv(self.stem_width, (3, 3), padding=1, name="stem_conv")(x)
-        x = nn.relu(norm(name="stem_bn")(x, train, mask))
-        if self.stem == "imagenet":
-            x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
+        if lo == 0:
+            if self.stem == "imagenet":
+                x = conv(self.stem_width, (7, 7), (2, 2), padding=3, name="stem_conv")(x)
+            else:
+                x = conv(self.stem_width, (3, 3), padding=1, name="stem_conv")(x)
+            x = nn.relu(norm(name="stem_bn")(x, train, mask))
+            if self.stem == "imagenet":
+                x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
+        k = 0
         for i, (n_blocks, width) in enumerate(zip(self.stage_sizes, self.widths)):
             for j in range(n_blocks):
-                strides = 2 if i > 0 and j == 0 else 1
-                tensor = ({"tensor_axis": self.tensor_axis, "tensor_size": t}
-                          if i + 1 in split else {})
-                x = self.block(width, strides, norm, conv, name=f"stage{i + 1}_block{j + 1}",
-                               **tensor)(x, train, mask)
+                if lo <= k < hi:
+                    strides = 2 if i > 0 and j == 0 else 1
+                    tensor = ({"tensor_axis": self.tensor_axis, "tensor_size": t}
+                              if i + 1 in split else {})
+                    x = self.block(width, strides, norm, conv,
+                                   name=f"stage{i + 1}_block{j + 1}", **tensor)(x, train, mask)
+                k += 1
+        if hi < total:
+            return x
         x = jnp.mean(x, axis=(1, 2))
         if t > 1 and self.tensor_head:
             if self.num_classes % t:

@@ -48,7 +48,6 @@ micro-batch with its own statistics in both).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from typing import Sequence
 
@@ -59,8 +58,7 @@ from jax import lax
 
 from trjax import models
 from trjax.collectives import as_varying
-from trjax.batchnorm import BatchNorm, BatchNormContext, linen_interceptor
-from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
+from trjax.batchnorm import BatchNormContext, linen_interceptor
 from trjax.metrics import batch_metrics
 from trjax.state import state_specs
 from trjax.steps import apply_gradients, batch_spec, example_losses
@@ -242,55 +240,12 @@ def plan_stages(module: models.ResNet, image_shape: Sequence[int], num_stages: i
                      imbalance=max(macs) / (total / len(macs)))
 
 
-class _ResNetStage(nn.Module):
-    """Blocks ``[lo, hi)`` of a :class:`trjax.models.ResNet` (with its stem when
-    ``lo == 0``, its head when ``hi`` is the last), with the ResNet's own module
-    names, so it reads the same parameter and statistics paths."""
-    resnet: dict  # the ResNet's attributes (a plain dict: not adopted as a submodule)
-    lo: int
-    hi: int
-    first: bool
-    last: bool
-
-    @nn.compact
-    def __call__(self, x, train: bool = True, mask=None):
-        r = self.resnet
-        norm = functools.partial(BatchNorm, mode=r["bn_mode"], axis_name=r["axis_name"],
-                                 momentum=r["bn_momentum"], dtype=r["dtype"])
-        im2col = resolve_conv_lowering(r["conv_lowering"]) == "im2col"
-        conv = functools.partial(nn.Conv, use_bias=False, dtype=r["dtype"],
-                                 conv_general_dilated_cls=Im2colConv if im2col else None)
-        if self.first:
-            if r["stem"] == "imagenet":
-                x = conv(r["stem_width"], (7, 7), (2, 2), padding=3, name="stem_conv")(x)
-            else:
-                x = conv(r["stem_width"], (3, 3), padding=1, name="stem_conv")(x)
-            x = nn.relu(norm(name="stem_bn")(x, train, mask))
-            if r["stem"] == "imagenet":
-                x = nn.max_pool(x, (3, 3), (2, 2), padding=((1, 1), (1, 1)))
-        k = 0
-        for i, (n_blocks, width) in enumerate(zip(r["stage_sizes"], r["widths"])):
-            for j in range(n_blocks):
-                if self.lo <= k < self.hi:
-                    strides = 2 if i > 0 and j == 0 else 1
-                    x = r["block"](width, strides, norm, conv, name=f"stage{i + 1}_block{j + 1}")(
-                        x, train, mask)
-                k += 1
-        if self.last:
-            x = jnp.mean(x, axis=(1, 2))
-            x = nn.Dense(r["num_classes"], dtype=r["dtype"], name="head")(x)
-            x = x.astype(jnp.float32)
-        return x
-
-
 def stage_modules(module: models.ResNet, plan: StagePlan) -> list[nn.Module]:
-    """One linen module per stage of ``plan``; each reads the full ResNet's
-    parameter / ``batch_stats`` paths of the names it owns (:meth:`StagePlan.names`)."""
-    attrs = {f.name: getattr(module, f.name) for f in dataclasses.fields(module)
-             if f.name not in ("parent", "name")}
-    s = plan.num_stages
-    return [_ResNetStage(attrs, lo, hi, k == 0, k == s - 1)
-            for k, (lo, hi) in enumerate(plan.bounds)]
+    """One module per stage of ``plan``: the ResNet itself, run over the stage's
+    blocks (``ResNet(blocks=(lo, hi))``: the stem with the first, the head with
+    the last); each reads the full ResNet's parameter / ``batch_stats`` paths
+    of the names it owns (:meth:`StagePlan.names`)."""
+    return [module.clone(blocks=(lo, hi)) for lo, hi in plan.bounds]
 
 
 # -- the pipelined forward + backward -------------------------------------------------------
