@@ -39,8 +39,9 @@ def test_cpu_steps_compile_with_region_analysis_same_bits_fewer_copies():
 def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
     """The XLA:CPU options trjax compiles with save compile time, not accuracy, against
     jaxlib's defaults (LLVM -O3, the MLIR fusion emitters): the state initialisation
-    (INIT_OPTIONS: -O1, elemental emitters) gives the same bits; two train
-    steps (co.STEP_OPTIONS: -O1) stay within the rounding of a reordered sum (the
+    (INIT_OPTIONS: -O1, elemental emitters) gives the same bits; one train
+    step (co.STEP_OPTIONS: -O1) from the same state stays within the rounding of a
+    reordered sum (the
     main job's 180 steps gave the same bits; ResNet-8 on 2 devices differs in a few ulps),
     and an evaluation of the same state gives the same counts and loss sum to 1e-6."""
     from helpers import assert_within_reorder_rounding, random_batch, setup
@@ -59,8 +60,7 @@ def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
         train = aot.compile_step("train", steps.make_train_step(
             model, exchange.allreduce(tx, plan), plan, world, "running"), state, batch,
             donate_argnums=0)
-        for _ in range(2):
-            state, _ = train(state, batch)
+        state, _ = train(state, batch)
         fold = aot.compile_step("fold", steps.make_fold_bn(world, "running"), state)
         acc = jax.device_put(np.zeros((2, len(METRICS)), np.float32), world.sharded())
         evaluate = aot.compile_step("eval", steps.make_eval_step(model, world, "running"),
@@ -78,7 +78,7 @@ def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
     first_ref, ref, ref_eval = run()
     for x, y in zip(jax.tree_util.tree_leaves(first), jax.tree_util.tree_leaves(first_ref)):
         np.testing.assert_array_equal(x, y)
-    assert_within_reorder_rounding(ours.params, ref.params, first.params, steps=2, rows=16)
+    assert_within_reorder_rounding(ours.params, ref.params, first.params, rows=16 * 64)
     a, b = ours_eval(ref), ref_eval(ref)  # [device, (loss, top1, top5, count)] sums
     np.testing.assert_array_equal(a[:, 1:], b[:, 1:])
     np.testing.assert_allclose(a[:, 0], b[:, 0], rtol=1e-6)

@@ -4,13 +4,13 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import (assert_within_reorder_rounding, max_rel, random_batch, setup,
-                     skip_train_step_compile, small_config, to_host)
+from helpers import (assert_each_step_within_reorder_rounding, max_rel, random_batch, setup,
+                     skip_train_step_compile, small_config, to_host, trainer_batch,
+                     trainer_states)
 from trjax.data import input_pipeline as ip
 from trjax import aot, exchange, optim, steps
 from trjax.precision import update_loss_scale
-from trjax.state import create_train_state
-from trjax.train import evaluate_pass, prepare, setup as setup_trainer, train_and_evaluate
+from trjax.train import evaluate_pass, setup as setup_trainer, train_and_evaluate
 
 
 def _digits_subset(n_train, n_val):
@@ -43,30 +43,36 @@ def test_ten_examples_batch_four_exact_for_world_sizes_1_2_4(monkeypatch):
     np.testing.assert_allclose(fractions[4][0], fractions[1][0], rtol=1e-6)
 
 
-def test_one_epoch_1000_examples_batch_96_same_on_1_and_8_devices(tmp_path):
-    """11 steps on 1 and on 8 devices agree up to the fp32 rounding of sums taken in another
-    order (helpers.reorder_rounding_bound: 2·k·(B-1)·u of each leaf's movement plus
-    2·k·u of its size; k = 11, B = 96 rows: 1.2e-4 and 1.3e-6), the same reasoning as
-    test_checkpoint.test_restore_on_another_device_count. Measured on jax 0.10.2: the worst
-    leaf at 0.031 of its bound (params and BN statistics). A real bug is far outside it,
-    planted once each: the 8-device run's BN on local statistics (bn_mode running) lands
-    at 5.1e3 x the bound; the mean over the local instead of the global count (gradient
-    x 8 on 8 devices) at 4.2e4 x."""
+def test_one_epoch_1000_examples_batch_96_same_on_1_and_8_devices():
+    """The 11 steps of one epoch (the last batch padded: 40 real rows, 4 of 8 devices
+    empty) on 1 and on 8 devices: each step of the 8-device train step, from the 1-device
+    run's state before it, lands within the fp32 rounding of sums taken in another order
+    (helpers.assert_each_step_within_reorder_rounding: 2·(B-1)·u of each leaf's movement
+    plus 2·u of its size, B = 96 rows x 64 positions); the metrics' counts are equal. The batches are
+    the loop's (trjax.data.input_pipeline.iterate_batches, epoch 1). A real bug is far
+    outside the bound, planted once each (measured with the former 11-step comparison):
+    the 8-device run's BN on local statistics (bn_mode running) at 5.1e3 x the bound; the
+    mean over the local instead of the global count (gradient x 8 on 8 devices) at 4.2e4 x.
+    """
     data = _digits_subset(1000, 40)  # 1000 = 10 x 96 + 40: last batch padded, 4 devices empty
-    finals = {}
+    tr = {}
     for n in ("1", "8"):
         cfg = small_config(devices=n, global_batch_size=96, eval_batch_size=40, num_epochs=1,
                            bn_mode="sync", learning_rate=0.05)
-        state, summary = train_and_evaluate(cfg, str(tmp_path / n), data)
-        assert summary["steps"] == 11 and summary["compiles_during_training"] == 0
-        finals[n] = to_host(state)
-    tr = prepare(cfg, data)  # the common start: rank 0's initialisation, as both runs had
-    start = to_host(create_train_state(jax.random.key(cfg.seed), tr.model, tr.exchange, tr.world,
-                                       data.image_shape, cfg.bn_mode))
-    worst = max(assert_within_reorder_rounding(finals["8"].params, finals["1"].params,
-                                               start.params, 11, 96),
-                assert_within_reorder_rounding(finals["8"].batch_stats, finals["1"].batch_stats,
-                                               start.batch_stats, 11, 96))
+        tr[n] = setup_trainer(cfg, data)
+    assert tr["1"].steps_per_epoch == 11
+    batches = list(ip.iterate_batches(data.train, 96, shuffle=True, seed=cfg.seed, epoch=1,
+                                      remainder=cfg.train_remainder))
+    assert len(batches) == 11 and batches[-1]["mask"].sum() == 40
+    for a, b in zip(jax.tree_util.tree_leaves(to_host(tr["8"].state)),
+                    jax.tree_util.tree_leaves(to_host(tr["1"].state))):
+        np.testing.assert_array_equal(a, b)  # the common start: rank 0's initialisation
+    ref, ref_m = trainer_states(tr["1"], batches)
+    worst, got_m = assert_each_step_within_reorder_rounding(
+        ref, lambda s, b: tr["8"].train_step(s, trainer_batch(tr["8"], b)), tr["8"].state,
+        batches, 96 * 64, tree=lambda s: (s.params, s.batch_stats))
+    for a, b in zip(got_m, ref_m):
+        assert np.asarray(a.count).sum() == np.asarray(b.count).sum()
     print(f"worst leaf / bound: {worst:.3g}")
 
 

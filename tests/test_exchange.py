@@ -1,6 +1,7 @@
 """The gradient exchanges in the train step: bucket policies, all-reduce algorithms (hierarchical
 included), compression, accumulation and the sharded optimizer state (ZeRO-1)."""
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -179,21 +180,30 @@ def test_accumulation_equals_twice_the_replicas():
 
 
 def test_shard_optimizer_state_equals_replicated_optimizer_and_shards_it():
+    """ZeRO-1 (reduce-scatter, the update on each device's shard of the momentum, all-gather)
+    lands where the replicated optimizer does, three steps carrying momentum. The learning
+    rate is 0 for the first two steps: the parameters stay put, so the momentum sums three
+    gradients of the same parameters and the third step's update is within one step's
+    rounding (a reordered sum), not amplified by the training dynamics as three moving
+    steps would be (issue 36)."""
     batch = random_batch(32, seed=12)
     world, model, plan, _, state = setup("all", 32, "running")
     lr, wd = 0.1, 1e-3
+    schedule = lambda count: jnp.where(count < 2, 0.0, lr)
     results = {}
     for sharded in (False, True):
-        make_tx = lambda mask: optim.make_optimizer("sgd", lr, plan, mask=mask, weight_decay=wd,
-                                                    momentum=0.9)
+        make_tx = lambda mask: optim.make_optimizer("sgd", schedule, plan, mask=mask,
+                                                    weight_decay=wd, momentum=0.9)
         ex = exchange.shard_optimizer_state(plan, world.world_size, make_tx) if sharded else \
             exchange.allreduce(make_tx(None), plan)
         st = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), "running")
         step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, "running"),
                                 st, jax.device_put(batch, world.sharded()), donate_argnums=0)
+        start = to_host(st.params)
         for i in range(3):  # momentum history matters
             st, m = step(st, jax.device_put(random_batch(32, seed=20 + i), world.sharded()))
         results[sharded] = (to_host(st.params), np.asarray(m), step)
+    assert max_rel(results[True][0], start) > 1e-4  # the third step moved them
     assert max_rel(results[True][0], results[False][0]) <= 1e-5
     np.testing.assert_allclose(results[True][1], results[False][1], rtol=1e-5)
     kinds = [c["kind"] for c in comm.collectives_in_hlo(results[True][2].hlo_text())]

@@ -91,14 +91,27 @@ def _gradient_elements(path):
     return {m.shape: m for m in is_grad.values()}
 
 
-def _run(path, scales, start_step=0, state=None):
+def _run(path, scales, start_step=0, state=None, first_batch=0):
     step, init = _built(path, start_step)
     state = init if state is None else state
     metrics = []
-    for i, s in enumerate(scales):
+    for i, s in enumerate(scales, first_batch):
         state, m = step(_with_scale(state, s), _batch(i))
         metrics.append(np.asarray(m))
     return state, metrics
+
+
+def _assert_close(path, ref_h, out_h, tol):
+    """Every leaf of the host states' params, optimizer (ZeRO-1: its gradient elements),
+    BN and comm state within ``tol`` of the leaf's largest magnitude."""
+    keep = _gradient_elements(path)
+    for part in ("params", "opt_state", "batch_stats", "comm_state"):
+        for (key, x), y in zip(jax.tree_util.tree_flatten_with_path(getattr(ref_h, part))[0],
+                               jax.tree_util.tree_leaves(getattr(out_h, part))):
+            if part == "opt_state" and x.shape in keep:
+                x, y = x[keep[x.shape]], y[keep[x.shape]]
+            scale = max(np.abs(x).max(), 1e-6)
+            assert np.abs(y - x).max() <= tol * scale, (path, part, jax.tree_util.keystr(key))
 
 
 # --------------------------------------------------------------------------- collectives
@@ -210,20 +223,23 @@ def test_loss_scaled_steps_equal_scale_one_and_an_overflow_skips_the_update(path
     step): the parameters, optimizer, comm (error feedback) and BN state agree within
     rounding -- multiplying by a power of two is exact, so only the float16 wire of the fp16
     compressor, which at scale 1 loses gradients below float16's normal range, differs at
-    all. Then a step at scale 2^127 overflows: the update is skipped on every path (state
-    unchanged bit for bit, skipped_steps + 1, the scale halved, the step's finite flag 0)."""
+    all. fp16's second scaled step therefore starts from the reference's first state (one
+    step against a one-step tolerance: two steps would carry the wire's rounding through the
+    dynamics); the other paths chain their own states (bitwise by construction). Then a
+    step at scale 2^127 overflows: the update is skipped on every path (state unchanged
+    bit for bit, skipped_steps + 1, the scale halved, the step's finite flag 0)."""
     ref, m_ref = _run(path, (1.0, 1.0))
-    out, m_out = _run(path, SCALED)
+    if path == "fp16":
+        ref_first = _run(path, (1.0,))[0]
+        first, m_first = _run(path, SCALED[:1])
+        _assert_close(path, to_host(ref_first), to_host(first), 2e-3)
+        out, m_second = _run(path, SCALED[1:], state=ref_first, first_batch=1)
+        m_out = m_first + m_second
+    else:
+        out, m_out = _run(path, SCALED)
     tol = 2e-3 if path == "fp16" else 1e-6  # (measured here: every path bit for bit)
     ref_h, out_h = to_host(ref), to_host(out)
-    keep = _gradient_elements(path)
-    for part in ("params", "opt_state", "batch_stats", "comm_state"):
-        for (key, x), y in zip(jax.tree_util.tree_flatten_with_path(getattr(ref_h, part))[0],
-                               jax.tree_util.tree_leaves(getattr(out_h, part))):
-            if part == "opt_state" and x.shape in keep:
-                x, y = x[keep[x.shape]], y[keep[x.shape]]
-            scale = max(np.abs(x).max(), 1e-6)
-            assert np.abs(y - x).max() <= tol * scale, (path, part, jax.tree_util.keystr(key))
+    _assert_close(path, ref_h, out_h, tol)
     np.testing.assert_array_equal(m_out[0][:len(METRICS)], m_ref[0][:len(METRICS)])  # unscaled
     np.testing.assert_allclose(m_out[1][:len(METRICS)], m_ref[1][:len(METRICS)], rtol=tol)
     step, _ = _built(path)

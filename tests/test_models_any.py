@@ -182,7 +182,7 @@ def _within_bound(a, b, start, rows=GLOBAL):
         if np.abs(y - x0).max() < 1e-6:
             assert np.abs(x - x0).max() < 1e-6, jax.tree_util.keystr(path)
             continue
-        worst = max(worst, assert_within_reorder_rounding([x], [y], [x0], 1, rows))
+        worst = max(worst, assert_within_reorder_rounding([x], [y], [x0], rows))
     return worst
 
 

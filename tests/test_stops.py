@@ -99,6 +99,12 @@ def test_step_log_loss_is_what_the_epoch_sums_imply(full):
     assert all(r["loss_scale"] == 1.0 and r["skipped_steps"] == 0 for r in steps)
 
 
+# jaxlib's default convolutions, as in this process: the script's "auto" picks Eigen's on a
+# host with a core per device (trjax.cpu.host), and its rows are compared with this
+# process's bit for bit
+CONVOLUTIONS = ["--config.cpu_convolutions=ynnpack"]
+
+
 def _script(workdir, *opts, kill_in_eval=None):
     """scripts/train.py as a subprocess; ``kill_in_eval``: the process sends itself that
     signal at the start of its first evaluation (a real signal, during evaluation)."""
@@ -114,7 +120,7 @@ def _script(workdir, *opts, kill_in_eval=None):
     args = [os.path.join(ROOT, "scripts", "train.py"), "--config",
             os.path.join(ROOT, "configs", "default.py"), "--workdir", workdir,
             "--config.model=resnet8", "--config.num_epochs=2", "--config.progress=False",
-            "--config.log_every_steps=6", *opts]
+            "--config.log_every_steps=6", *CONVOLUTIONS, *opts]
     return [sys.executable, "-c", code, *args]
 
 

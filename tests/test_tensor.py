@@ -291,7 +291,7 @@ def test_tensor_parallel_step_equals_one_device(mesh, num_classes, bn_mode):
     checks = [(got[0], want[0], pspecs, jax.tree_util.tree_map(np.zeros_like, want[0])),
               (got[3], want[3], sspecs, v["batch_stats"])]
     for g_tree, w_tree, specs, start in checks:
-        bound = reorder_rounding_bound(start, 1, rows)
+        bound = reorder_rounding_bound(start, rows)
         for (path, w, spec), g in zip(leaves_with_specs(w_tree, specs),
                                       jax.tree_util.tree_leaves(g_tree)):
             lim = bound(path, w)
@@ -420,7 +420,7 @@ def test_bottleneck_split_equals_one_device():
     want = jax.jit(lambda p, s, b: steps.forward_backward(
         full, p, s, b, bn_mode="sync", axis_name=None)[:2])(v["params"], v["batch_stats"], b)
     got, want = jax.tree_util.tree_map(np.asarray, (got, want))
-    bound = reorder_rounding_bound(jax.tree_util.tree_map(np.zeros_like, want[0]), 1,
+    bound = reorder_rounding_bound(jax.tree_util.tree_map(np.zeros_like, want[0]),
                                    BATCH * IMAGE[0] * IMAGE[1])
     for (path, w), g in zip(jax.tree_util.tree_flatten_with_path(want[0])[0],
                             jax.tree_util.tree_leaves(got[0])):

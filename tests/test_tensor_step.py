@@ -12,12 +12,13 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_within_reorder_rounding, digit_like_batches, small_config, to_host
+from helpers import (assert_each_step_within_reorder_rounding, digit_like_batches, put_like,
+                     small_config, to_host, trainer_batch, trainer_states)
 from trjax import comm
-from trjax.data import input_pipeline
 from trjax.train import trainer
 
 GLOBAL = 32
+STEPS = 3
 
 
 def _trainer(bn_mode, mesh=None, **kw):
@@ -29,21 +30,11 @@ def _trainer(bn_mode, mesh=None, **kw):
     return trainer.setup(small_config(devices="2", **kw))
 
 
-def _run(tr, n):
-    state, states, metrics = tr.state, {}, []
-    for i, b in enumerate(digit_like_batches(n, GLOBAL), 1):
-        state, m = tr.train_step(state, input_pipeline.to_device(
-            b, tr.world.sharded(), tr.data.num_classes, tr.dtype))
-        metrics.append(to_host(m))
-        if i in (1, n):
-            states[i] = to_host(state)
-    return states, metrics, state
-
-
 @pytest.mark.parametrize("bn_mode,optimizer", [("running", "sgd"), ("sync", "sgd"), ("running", "adamw")])
 def test_tensor_parallel_step_equals_data_parallel(bn_mode, optimizer):
-    """data:2,model:2 (resnet8: its last stage's block and the head split) == data:2, one
-    step and 8 steps: parameters, BN running statistics, optimizer state; metric sums.
+    """data:2,model:2 (resnet8: its last stage's block and the head split) == data:2, each
+    of 3 steps from the same state (helpers.assert_each_step_within_reorder_rounding):
+    parameters, BN running statistics, optimizer state; metric sums; the evaluation.
 
     adamw runs with adam_eps=1: its state (mu, nu split like the parameters) is what is
     tested. With the usual eps=1e-8 the first update g / (|g| + eps) turns the relative
@@ -60,19 +51,19 @@ def test_tensor_parallel_step_equals_data_parallel(bn_mode, optimizer):
     split = [s for s in jax.tree_util.tree_leaves(tp.state.params)
              if any(e is not None for e in s.sharding.spec)]
     assert len(split) == 6  # stage3_block1's Conv_0, BatchNorm_0 scale/bias, Conv_1; head
-    got, got_m, tp_state = _run(tp, 8)
-    ref, ref_m, dp_state = _run(dp, 8)
-    tree = lambda s: (s.params, s.batch_stats, s.opt_state)
+    batches = digit_like_batches(STEPS, GLOBAL)
+    ref, ref_m = trainer_states(dp, batches)
     rows = GLOBAL // 2 * 64
-    for n in (1, 8):
-        worst = assert_within_reorder_rounding(tree(got[n]), tree(ref[n]), tree(start), n, rows)
-        print(f"{bn_mode} {optimizer} {n} steps: worst leaf / bound {worst:.3g}")
+    worst, got_m = assert_each_step_within_reorder_rounding(
+        ref, lambda s, b: tp.train_step(s, trainer_batch(tp, b)), tp.state, batches, rows)
+    print(f"{bn_mode} {optimizer} {STEPS} steps: worst leaf / bound {worst:.3g}")
     assert got_m[0].top1 == ref_m[0].top1
-    for a, b in zip(got_m, ref_m):
+    for a, b in zip(got_m, ref_m):  # each step from the same state
         assert a.count == b.count == GLOBAL - 3
         np.testing.assert_allclose(a.loss_sum, b.loss_sum, rtol=1e-5)
-    # the evaluation: the same top-1 on the validation set
-    va, vb = trainer.evaluate_pass(tp, tp_state), trainer.evaluate_pass(dp, dp_state)
+    # the evaluation of the same state: the same counts, loss sums to the rounding
+    va = trainer.evaluate_pass(tp, put_like(ref[-1], tp.state))
+    vb = trainer.evaluate_pass(dp, put_like(ref[-1], dp.state))
     assert va["count"] == vb["count"] == len(dp.data.val.labels)
     np.testing.assert_allclose(va["sums"], vb["sums"], rtol=1e-4)
 

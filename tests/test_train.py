@@ -67,11 +67,12 @@ def test_main_job_short(tmp_path, monkeypatch):
     sums = _host_eval("resnet8", ip.load_digits(), state.params, state.batch_stats)
     assert s["val_top1"] == sums[1] / 360 and s["val_top5"] == sums[2] / 360
     np.testing.assert_allclose(s["val_loss"], sums[0] / 360, rtol=1e-5)
-    # and training learned what it learns: measured val_top1 = 295/360 = 0.819 (top5 0.994,
-    # loss 0.742) on jax 0.10.2, CPU, deterministic run to run. The band, +-11 of 360
-    # predictions, admits rounding-level changes (a compiler update flips a few
-    # predictions), not a training regression (chance is 0.1)
-    assert 0.79 <= s["val_top1"] <= 0.85, s["val_top1"]
+    # and training learned: measured val_top1 = 295/360 = 0.819 (top5 0.994, loss 0.742)
+    # on jax 0.10.2, CPU. A lower bound only, far from the measurement: 24 steps amplify
+    # rounding-level differences between machines' code generation (issue 36), so a
+    # narrow band would test the machine; the step's numerics are checked against
+    # references in test_steps and test_exactness (chance is 0.1)
+    assert s["val_top1"] >= 0.6, s["val_top1"]
     rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in rows] == [1, 2]
     assert rows[-1]["val_top1"] == s["val_top1"]
@@ -111,9 +112,9 @@ def test_dropped_remainder_trains_with_the_step_without_padding_mask(tmp_path, m
     assert len(masks) == 11 and all(m.min() == 1.0 for m in masks)
     assert s["skipped_steps"] == 0 and s["compiles_during_training"] == 0
     # learned: measured 123/360 = 0.342 after the one epoch (jax 0.10.2, CPU; chance 0.1;
-    # the running BN statistics still lag, see README); the band is +-11 predictions, as
-    # in test_main_job_short. The step's numerics against references: test_steps
-    assert 0.31 <= s["val_top1"] <= 0.375, s["val_top1"]
+    # the running BN statistics still lag, see README); a lower bound only, as in
+    # test_main_job_short. The step's numerics against references: test_steps
+    assert s["val_top1"] >= 0.2, s["val_top1"]
 
 
 def test_a_padded_batch_is_refused_by_the_step_without_padding_mask(tmp_path, monkeypatch):
