@@ -33,7 +33,7 @@ jax.config.update("jax_compilation_cache_dir", _CACHE)
 # scripts the tests start read it from the environment: they share the session's cache
 # instead of writing to the user's (trjax's default, ~/.cache/trjax/xla)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # nanodo's rail: an implicit rank promotion (adding [n] to [m, n] by accident) is an error.
 jax.config.update("jax_numpy_rank_promotion", "raise")

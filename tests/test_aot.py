@@ -99,8 +99,8 @@ ALIAS_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.job
 def test_aliased_leaves_on_a_later_call_do_not_crash(tmp_path):
-    import os
     script = tmp_path / "alias.py"
     script.write_text(ALIAS_SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -89,6 +89,7 @@ def _augmented(split, batch) -> bool:
     return not np.array_equal(batch["image"][real], split.images[batch["index"][real]])
 
 
+@pytest.mark.job
 def test_validation_is_never_augmented_when_training_augments(tmp_path, monkeypatch):
     """A run with config.augment=True: the training batches the loop asks for are
     augmented, every validation batch holds its examples' stored pixels; and the check

@@ -9,6 +9,8 @@ import pytest
 
 from trjax.cpu.host import available_cores
 
+pytestmark = pytest.mark.job
+
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 
 

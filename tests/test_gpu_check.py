@@ -8,6 +8,9 @@ import subprocess
 import sys
 
 import jax
+import pytest
+
+pytestmark = pytest.mark.job
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.py")

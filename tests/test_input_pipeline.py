@@ -445,6 +445,7 @@ def test_prefetch_closes_cleanly_when_consumer_stops_early():
 # ---------------------------------------------------------------------------
 
 
+@pytest.mark.job
 def test_bench_input_runs_tiny(tmp_path):
     import json
     out = tmp_path / "bench.json"

@@ -23,6 +23,7 @@ def _tensorboard_scalars(folder):
     return out
 
 
+@pytest.mark.job
 def test_short_run_writes_step_log_tensorboard_config_and_profile(tmp_path, capsys):
     cfg = small_config(num_epochs=1, log_every_steps=4, profile_steps="2:3")
     _, summary = train_and_evaluate(cfg, str(tmp_path))

@@ -1,7 +1,6 @@
 """batch_metrics: the top-k rule (ties against the label, NaN never correct), padding
 counts nowhere, and a NaN validation loss reported as NaN end to end (issue 13 item 3)."""
 import json
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -75,6 +74,7 @@ def test_padding_rows_count_nowhere_even_when_nan():
     np.testing.assert_allclose(out[0], 2 * want, rtol=1e-6)
 
 
+@pytest.mark.job
 def test_nan_validation_is_reported_as_nan_end_to_end(tmp_path, monkeypatch, capsys):
     """A model whose evaluation logits are NaN: val_top1 0 and val_loss NaN in the log
     line, metrics.jsonl and summary.json (before the fix: val_top1 1.0)."""

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from trjax.train.metrics_log import MetricsWriter, read_rows, repair
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -59,6 +61,7 @@ def test_repair_of_a_clean_file_changes_nothing(tmp_path):
     assert path.read_text() == text and os.stat(path).st_mtime_ns == mtime
 
 
+@pytest.mark.job
 def test_plot_skips_the_cut_off_line(tmp_path):
     _crashed_file(tmp_path / "metrics.jsonl")
     out = subprocess.run([sys.executable, "scripts/plot.py", str(tmp_path)], cwd=ROOT,
