@@ -238,12 +238,22 @@ def tp_step(world, tp_model, v, bn_mode):
     return fn.lower(*args).compile(), args, (pspecs, sspecs)
 
 
-def one_device(model, v, b, bn_mode):
+@functools.lru_cache(maxsize=None)
+def _one_device_step(num_classes, bn_mode):
+    """The jitted one-device forward + backward, traced once per model (the running
+    reference calls it on each data rank's rows)."""
+    model = resnet8(num_classes, bn_mode, axis_name=None)
+
     def f(params, stats, b):
         grads, sums, bn_sums, rules = steps.forward_backward(
             model, params, stats, b, bn_mode=bn_mode, axis_name=None)
         return grads, sums, bn_sums, update_running_tree(stats, bn_sums, 0.9, rules)
-    return jax.tree_util.tree_map(np.asarray, jax.jit(f)(v["params"], v["batch_stats"], b))
+    return jax.jit(f)
+
+
+def one_device(num_classes, v, b, bn_mode):
+    return jax.tree_util.tree_map(np.asarray, _one_device_step(num_classes, bn_mode)(
+        v["params"], v["batch_stats"], b))
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,12 +268,12 @@ def compiled_case(mesh, num_classes, bn_mode):
 def reference(num_classes, bn_mode, data_size):
     """One device: the whole batch (sync), or each data rank's rows apart, summed (running)."""
     v, b = full_init(num_classes), batch(num_classes)
-    model = resnet8(num_classes, bn_mode, axis_name=None)
     if bn_mode == "sync":
-        return one_device(model, v, b, bn_mode)
+        return one_device(num_classes, v, b, bn_mode)
     n = BATCH // data_size
-    parts = [one_device(model, v, jax.tree_util.tree_map(lambda a: a[r * n:(r + 1) * n], b),
-                        bn_mode) for r in range(data_size)]
+    parts = [one_device(num_classes, v,
+                        jax.tree_util.tree_map(lambda a: a[r * n:(r + 1) * n], b), bn_mode)
+             for r in range(data_size)]
     grads, sums, bn_sums = jax.tree_util.tree_map(lambda *a: sum(a), *[p[:3] for p in parts])
     new_stats = update_running_tree(v["batch_stats"], bn_sums, 0.9)
     return grads, sums, bn_sums, jax.tree_util.tree_map(np.asarray, new_stats)

@@ -8,6 +8,8 @@ devices (Megatron's column/row pairs: the row layer's partial sums are all-reduc
 parameters, BN statistics and metrics agree within helpers.reorder_rounding_bound. The
 initial parameters are the unsplit ones' slices bitwise (trjax.tensor's tests check each
 device's shard; here the global arrays are compared)."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -30,8 +32,28 @@ def _trainer(bn_mode, mesh=None, **kw):
     return trainer.setup(small_config(devices="2", **kw))
 
 
-@pytest.mark.parametrize("bn_mode,optimizer", [("running", "sgd"), ("sync", "sgd"), ("running", "adamw")])
-def test_tensor_parallel_step_equals_data_parallel(bn_mode, optimizer):
+def _optimizer_kw(optimizer):
+    return dict(optimizer=optimizer, learning_rate=0.1 if optimizer == "sgd" else 0.003,
+                **({"adam_eps": 1.0} if optimizer == "adamw" else {}))
+
+
+@pytest.fixture(scope="module")
+def trainers():
+    """``get(bn_mode, optimizer, mesh=None)``: each trainer set up once for the module (the
+    step test and the collectives test read the same one; a test runs from a copy of a
+    trainer's state, never donating the shared one)."""
+    made = {}
+
+    def get(bn_mode, optimizer, mesh=None):
+        key = (bn_mode, optimizer, mesh)
+        if key not in made:
+            made[key] = _trainer(bn_mode, mesh, **_optimizer_kw(optimizer))
+        return made[key]
+    return get
+
+
+@pytest.mark.parametrize("bn_mode,optimizer", [("sync", "sgd"), ("running", "adamw")])
+def test_tensor_parallel_step_equals_data_parallel(bn_mode, optimizer, trainers):
     """data:2,model:2 (resnet8: its last stage's block and the head split) == data:2, each
     of 3 steps from the same state (helpers.assert_each_step_within_reorder_rounding):
     parameters, BN running statistics, optimizer state; metric sums; the evaluation.
@@ -40,11 +62,15 @@ def test_tensor_parallel_step_equals_data_parallel(bn_mode, optimizer):
     tested. With the usual eps=1e-8 the first update g / (|g| + eps) turns the relative
     rounding error of a gradient element near zero into that of the update (measured: one
     kernel element 1.7x over the bound, which is relative to the leaf's largest movement);
-    the gradients themselves are within the bound (the sgd cases)."""
-    kw = dict(optimizer=optimizer, learning_rate=0.1 if optimizer == "sgd" else 0.003,
-              **({"adam_eps": 1.0} if optimizer == "adamw" else {}))
-    tp, dp = _trainer(bn_mode, "data:2,model:2", **kw), _trainer(bn_mode, **kw)
+    the gradients themselves are within the bound (the sgd case).
+
+    Running BN with sgd through the trainer: the sync sgd case's optimizer and the running
+    adamw case's BatchNorm; tests/test_tensor.py's
+    test_tensor_parallel_step_equals_one_device[data:2,model:2-10-running] checks that
+    forward + backward's gradients, BN sums and running statistics on every device."""
+    tp, dp = trainers(bn_mode, optimizer, "data:2,model:2"), trainers(bn_mode, optimizer)
     assert tp.layout is not None and tp.world.data_size == 2
+    assert tp.config.optimizer == dp.config.optimizer == optimizer
     start = to_host(dp.state)
     for a, b in zip(jax.tree_util.tree_leaves(to_host(tp.state)), jax.tree_util.tree_leaves(start)):
         np.testing.assert_array_equal(a, b)  # same initial state, bit for bit
@@ -52,7 +78,8 @@ def test_tensor_parallel_step_equals_data_parallel(bn_mode, optimizer):
              if any(e is not None for e in s.sharding.spec)]
     assert len(split) == 6  # stage3_block1's Conv_0, BatchNorm_0 scale/bias, Conv_1; head
     batches = digit_like_batches(STEPS, GLOBAL)
-    ref, ref_m = trainer_states(dp, batches)
+    ref, ref_m = trainer_states(dataclasses.replace(dp, state=put_like(start, dp.state)),
+                                batches)
     rows = GLOBAL // 2 * 64
     worst, got_m = assert_each_step_within_reorder_rounding(
         ref, lambda s, b: tp.train_step(s, trainer_batch(tp, b)), tp.state, batches, rows)
@@ -68,12 +95,13 @@ def test_tensor_parallel_step_equals_data_parallel(bn_mode, optimizer):
     np.testing.assert_allclose(va["sums"], vb["sums"], rtol=1e-4)
 
 
-def test_tensor_parallel_collectives_by_axis():
-    """The compiled step (running BN): over 'model' the f/g all-reduces of the split
+def test_tensor_parallel_collectives_by_axis(trainers):
+    """The compiled step (running BN; the adamw step test's trainer: an elementwise
+    optimizer adds no collective): over 'model' the f/g all-reduces of the split
     block and the head (forward g, backward f of the block, backward f of the head) and the
     logits' all-gather; over 'data' the two buckets (deep first) and the BN statistics; no
     collective over both axes."""
-    tr = _trainer("running", "data:2,model:2")
+    tr = trainers("running", "adamw", "data:2,model:2")
     cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
     mesh = tr.world.mesh
     kinds = {}
@@ -88,6 +116,7 @@ def test_tensor_parallel_collectives_by_axis():
     assert sizes == want, (sizes, want)
 
 
+@pytest.mark.job
 def test_tensor_parallel_resume_mid_epoch_is_bitwise_exact(tmp_path):
     """data:2,model:2: the split leaves are saved and restored as sharded global arrays;
     halted at step 6, resumed to the end of the epoch: bitwise the run never stopped."""
@@ -106,6 +135,7 @@ def test_tensor_parallel_resume_mid_epoch_is_bitwise_exact(tmp_path):
     assert s_res["val_top1"] == s_full["val_top1"]
 
 
+@pytest.mark.job
 def test_a_checkpoint_restores_onto_another_mesh_bitwise(tmp_path):
     """The state's global arrays have the same shapes on every mesh (a split leaf is the full
     array, sharded), so a data:4 checkpoint restores onto data:2,model:2 and onto
