@@ -18,46 +18,105 @@ def _bits(tree):
     return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
 
 
-def test_resume_mid_epoch_is_bitwise_exact(tmp_path):
-    cfg = dict(num_epochs=2, checkpoint_every_steps=4)
-    full, s_full = train_and_evaluate(small_config(**cfg), str(tmp_path / "full"))
-    part, s_part = train_and_evaluate(small_config(halt_after_steps=7, **cfg), str(tmp_path / "cut"))
+CUT = dict(num_epochs=1, checkpoint_every_steps=4)  # 12 steps of 128 digits
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The uninterrupted one-epoch run (checkpoints every 4 steps): ``(state, summary)``."""
+    return train_and_evaluate(small_config(**CUT), str(tmp_path_factory.mktemp("whole")))
+
+
+@pytest.fixture(scope="module")
+def cut(tmp_path_factory):
+    """The same run halted after step 7 (asynchronous saves at 4 and 7): ``(workdir, state,
+    summary)``; tests copy the workdir before they write into it."""
+    work = tmp_path_factory.mktemp("cut")
+    state, summary = train_and_evaluate(small_config(halt_after_steps=7, **CUT), str(work))
+    return work, state, summary
+
+
+def _copy(src, dst, drop=()):
+    """A copy of the workdir ``src`` at ``dst`` without the checkpoints ``drop``."""
+    import shutil
+    shutil.copytree(src, dst)
+    for step in drop:
+        shutil.rmtree(dst / "checkpoints" / str(step))
+    return dst
+
+
+@pytest.mark.job
+def test_resume_mid_epoch_after_falling_back_from_a_truncated_checkpoint_is_bitwise_exact(
+        whole, cut, tmp_path, capsys):
+    """A mid-epoch halt (step 7, after a periodic save at 4) resumes bit for bit what the
+    uninterrupted run computes; and a truncated newest checkpoint is moved aside (kept for
+    inspection), the run falls back to the previous one (4), trains 5..7 again and saves
+    7 again, from which the resume runs to the end: both resumes exact.
+    (test_resume_mid_epoch_is_bitwise_exact and
+    test_truncated_newest_checkpoint_falls_back_to_previous, merged: one halted run.)"""
+    full, s_full = whole
+    _, _, s_part = cut
     assert s_part["halted"] and s_part["steps"] == 7
     assert s_part["checkpoint_async"] and s_part["checkpoint_io_compiles"] == 0
-    assert sorted(os.listdir(tmp_path / "cut" / "checkpoints")) == ["4", "7"]
-    resumed, s_res = train_and_evaluate(small_config(**cfg), str(tmp_path / "cut"))
-    assert s_res["steps"] == s_full["steps"] == 24
+    assert sorted(os.listdir(cut[0] / "checkpoints")) == ["4", "7"]
+    work = _copy(cut[0], tmp_path / "cut")
+    newest = work / "checkpoints" / "7"
+    files = [os.path.join(d, f) for d, _, fs in os.walk(newest) for f in fs]
+    for f in files:  # truncate every file of the newest checkpoint
+        with open(f, "r+b") as fh:
+            fh.truncate(max(0, os.path.getsize(f) // 3))
+    truncated = [os.path.getsize(f) for f in files]
+    # the run falls back to step 4 and saves at step 7 again: the unreadable one is moved
+    # aside, not in the way of the new save
+    capsys.readouterr()
+    _, s = train_and_evaluate(small_config(halt_after_steps=7, **CUT), str(work))
+    out = capsys.readouterr().out
+    assert f"checkpoint {newest} is unreadable" in out and "resumed from step 4" in out
+    assert f"moved the unreadable checkpoint {newest} to {newest}.unreadable" in out
+    assert s["steps"] == 7
+    assert sorted(os.listdir(work / "checkpoints")) == ["4", "7", "7.unreadable"]
+    moved = [f.replace(str(newest), str(newest) + ".unreadable") for f in files]
+    assert [os.path.getsize(f) for f in moved] == truncated  # its files as they were
+    resumed, s_res = train_and_evaluate(small_config(**CUT), str(work))
+    assert "resumed from step 7" in capsys.readouterr().out
+    assert s_res["steps"] == s_full["steps"] == 12
     for name in ("params", "batch_stats", "opt_state"):
         assert _bits(getattr(resumed, name)) == _bits(getattr(full, name)), name
     assert s_res["val_top1"] == s_full["val_top1"]
 
 
+@pytest.mark.job
 def test_restore_on_another_device_count(tmp_path):
     """A checkpoint written on 8 devices restores on 4 with every leaf bitwise what was
     saved, and its next step on 4 devices lands where the same step on 8 does, up to the
-    fp32 rounding of reductions done in another order: both take ONE step from the same
-    restored state, so helpers.reorder_rounding_bound applies (64 rows x 64 positions
-    summed by the stem's BN and kernel gradient; measured: the
+    fp32 rounding of reductions done in another order: both take ONE step (step 4) from the
+    same restored state (step 3's checkpoint), so helpers.reorder_rounding_bound applies
+    (64 rows x 64 positions summed by the stem's BN and kernel gradient; measured: the
     step differs by about one ulp). One step on purpose: over 7 steps the training
     dynamics amplified that ulp to 55x a one-step bound on one Xeon host (issue 36), to
-    within it on others."""
-    cfg = dict(num_epochs=2, bn_mode="sync", global_batch_size=64, eval_batch_size=64)
-    saved, _ = train_and_evaluate(small_config(devices="8", halt_after_steps=23, **cfg),
-                                  str(tmp_path / "a"))
-    start = to_host(saved)
-    import shutil
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    shutil.copytree(tmp_path / "a", tmp_path / "c")
-    on8, s8 = train_and_evaluate(small_config(devices="8", halt_after_steps=24, **cfg),
+    within it on others. The 8-device run saves every step: its step 4 is the reference,
+    its checkpoint 3 the common start (each save bitwise the device state: checked here
+    for step 4)."""
+    import flax.serialization
+    cfg = dict(num_epochs=2, bn_mode="sync", global_batch_size=64, eval_batch_size=64,
+               checkpoint_every_steps=1)
+    on8, s8 = train_and_evaluate(small_config(devices="8", halt_after_steps=4, **cfg),
                                  str(tmp_path / "a"))
-    on4, s4 = train_and_evaluate(small_config(devices="4", halt_after_steps=24, **cfg),
+    template = to_host(on8)
+    read = lambda d, k: flax.serialization.from_state_dict(
+        template, checkpoint.read(str(d / "checkpoints"), k)[0])
+    assert _bits(read(tmp_path / "a", 4)) == _bits(on8)  # the save is the device state
+    start = read(tmp_path / "a", 3)
+    _copy(tmp_path / "a", tmp_path / "b", drop=[4])
+    _copy(tmp_path / "a", tmp_path / "c", drop=[4])
+    on4, s4 = train_and_evaluate(small_config(devices="4", halt_after_steps=4, **cfg),
                                  str(tmp_path / "b"))
-    assert s4["world_size"] == 4 and s4["steps"] == s8["steps"] == 24
-    # the restore itself is exact: step 23's checkpoint onto the 4-device run's shardings
+    assert s4["world_size"] == 4 and s4["steps"] == s8["steps"] == 4
+    # the restore itself is exact: step 3's checkpoint onto the 4-device run's shardings
     restored, meta = checkpoint.restore_latest(
         checkpoint.manager(str(tmp_path / "c" / "checkpoints")), on4,
         {k: small_config(**cfg)[k] for k in checkpoint.COMPATIBLE_FIELDS})
-    assert meta["world_size"] == 8 and int(restored.step) == 23
+    assert meta["world_size"] == 8 and int(restored.step) == 3
     assert {x.sharding.num_devices for x in jax.tree_util.tree_leaves(restored)
             if isinstance(x, jax.Array)} == {4}
     assert _bits(restored) == _bits(start)
@@ -67,31 +126,9 @@ def test_restore_on_another_device_count(tmp_path):
     print(f"max |p4 - p8| / bound = {worst:.3g}")
 
 
-def test_truncated_newest_checkpoint_falls_back_to_previous(tmp_path, capsys):
-    cfg = dict(num_epochs=1, checkpoint_every_steps=4, halt_after_steps=9)
-    train_and_evaluate(small_config(**cfg), str(tmp_path))
-    newest = tmp_path / "checkpoints" / "9"
-    files = [os.path.join(d, f) for d, _, fs in os.walk(newest) for f in fs]
-    for f in files:  # truncate every file of the newest checkpoint
-        with open(f, "r+b") as fh:
-            fh.truncate(max(0, os.path.getsize(f) // 3))
-    truncated = [os.path.getsize(f) for f in files]
-    # the run falls back to step 8 and saves at step 9 again: the unreadable one is moved
-    # aside (kept for inspection), not in the way of the new save
-    state, s = train_and_evaluate(small_config(num_epochs=1, halt_after_steps=9), str(tmp_path))
-    out = capsys.readouterr().out
-    assert f"checkpoint {newest} is unreadable" in out and "resumed from step 8" in out
-    assert f"moved the unreadable checkpoint {newest} to {newest}.unreadable" in out
-    assert s["steps"] == 9
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["4", "8", "9", "9.unreadable"]
-    moved = [f.replace(str(newest), str(newest) + ".unreadable") for f in files]
-    assert [os.path.getsize(f) for f in moved] == truncated  # its files as they were
-    _, s = train_and_evaluate(small_config(num_epochs=1, halt_after_steps=10), str(tmp_path))
-    assert "resumed from step 9" in capsys.readouterr().out and s["steps"] == 10
-
-
-def test_incompatible_checkpoint_is_a_clear_error_before_compiling(tmp_path, monkeypatch):
-    train_and_evaluate(small_config(num_epochs=1, halt_after_steps=2), str(tmp_path))
+@pytest.mark.job
+def test_incompatible_checkpoint_is_a_clear_error_before_compiling(cut, tmp_path, monkeypatch):
+    work = _copy(cut[0], tmp_path / "w")  # model resnet8, learning_rate 0.2, step 7
     from trjax import aot
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
     # WORKDIR/config.json names every key that differs, in one message
@@ -99,29 +136,32 @@ def test_incompatible_checkpoint_is_a_clear_error_before_compiling(tmp_path, mon
                                          r".*learning_rate: 0.2 -> 0.05, model: 'resnet8' -> "
                                          r"'resnet20'; resume with the same values"):
         train_and_evaluate(small_config(num_epochs=1, model="resnet20", learning_rate=0.05),
-                           str(tmp_path))
+                           str(work))
     with pytest.raises(ValueError, match=r"learning_rate: 0.2 -> 0.1; resume with the same"):
-        train_and_evaluate(small_config(num_epochs=1, learning_rate=0.1), str(tmp_path))
-    saved = json.load(open(tmp_path / "config.json"))  # a refused resume leaves it as it was
+        train_and_evaluate(small_config(num_epochs=1, learning_rate=0.1), str(work))
+    saved = json.load(open(work / "config.json"))  # a refused resume leaves it as it was
     assert saved["learning_rate"] == 0.2 and saved["model"] == "resnet8"
     # without config.json (a workdir from before it existed) the checkpoint's own record
-    os.remove(tmp_path / "config.json")
-    with pytest.raises(ValueError, match=r"checkpoint .*2 is incompatible with this config: "
+    os.remove(work / "config.json")
+    with pytest.raises(ValueError, match=r"checkpoint .*7 is incompatible with this config: "
                                          r"model: checkpoint 'resnet8' vs now 'resnet20'"):
-        train_and_evaluate(small_config(num_epochs=1, model="resnet20"), str(tmp_path))
-    assert (tmp_path / "checkpoints" / "2").exists()
+        train_and_evaluate(small_config(num_epochs=1, model="resnet20"), str(work))
+    assert (work / "checkpoints" / "7").exists()
 
 
-def test_sync_saves_resume_bitwise_like_async(tmp_path):
-    cfg = dict(num_epochs=1, checkpoint_every_steps=3, halt_after_steps=5)
-    a, s_a = train_and_evaluate(small_config(**cfg), str(tmp_path / "async"))
-    b, s_b = train_and_evaluate(small_config(checkpoint_async=False, **cfg), str(tmp_path / "sync"))
+@pytest.mark.job
+def test_sync_saves_resume_bitwise_like_async(cut, tmp_path):
+    """The halted run of ``cut`` (asynchronous saves) and the same run with synchronous
+    saves: each checkpoint restores what was on the devices at the save, bit for bit."""
+    work, a, _ = cut
+    b, s_b = train_and_evaluate(small_config(checkpoint_async=False, halt_after_steps=7, **CUT),
+                                str(tmp_path / "sync"))
     assert not s_b["checkpoint_async"] and s_b["checkpoint_io_compiles"] == 0
     restored = []
-    for d, st in (("async", a), ("sync", b)):
-        mngr = checkpoint.manager(str(tmp_path / d / "checkpoints"))
+    for d, st in ((work, a), (tmp_path / "sync", b)):
+        mngr = checkpoint.manager(str(d / "checkpoints"))
         state, meta = checkpoint.restore_latest(mngr, st, {})
-        assert (meta["epoch"], meta["batch"]) == (1, 5) and checkpoint.CHECKSUMS_KEY in meta
+        assert (meta["epoch"], meta["batch"]) == (1, 7) and checkpoint.CHECKSUMS_KEY in meta
         assert _bits(state) == _bits(st)  # what was on the devices at the save, bit for bit
         restored.append(state)
     assert _bits(restored[0]) == _bits(restored[1])
@@ -147,6 +187,7 @@ def test_async_save_does_not_read_buffers_the_next_step_donates(tmp_path):
     assert _bits(restored) == expected and _bits(state) != expected
 
 
+@pytest.mark.job
 def test_failed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
     import orbax.checkpoint as ocp
     real = ocp.type_handlers.NumpyHandler.serialize
@@ -232,23 +273,22 @@ def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
                                           if k not in ("epoch", "batch")}})
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("exchange", [dict(compression="powersgd")])  # ZeRO-1's shards: the
 def test_resume_may_switch_conv_lowering_with_bucket_shaped_state(exchange, tmp_path):  # same key
     """conv_lowering may change on resume (config.RESUME_MAY_CHANGE): the buckets, hence
     PowerSGD's error feedback, are laid out the same under both lowerings, so the resume
-    runs and its one step lands where the same resume's step with the run's own lowering
-    does (the two lowerings differ by float rounding only; one step from the same
-    restored state, so the fixed tolerance is a one-step one)."""
-    import shutil
-    cfg = dict(num_epochs=1, log_every_steps=0, **exchange)
-    train_and_evaluate(small_config(conv_lowering="xla", halt_after_steps=2, **cfg),
-                       str(tmp_path / "a"))
-    shutil.copytree(tmp_path / "a", tmp_path / "b")
-    switched, _ = train_and_evaluate(small_config(conv_lowering="im2col", halt_after_steps=3,
-                                                  **cfg), str(tmp_path / "a"))
+    runs and its one step lands where the same step with the run's own lowering does (the
+    run's own step 3, from the checkpoint at 2 it saved: an exact resume's, bit for bit;
+    the two lowerings differ by float rounding only; one step from the same state, so the
+    fixed tolerance is a one-step one)."""
+    cfg = dict(num_epochs=1, log_every_steps=0, checkpoint_every_steps=1, **exchange)
     same, _ = train_and_evaluate(small_config(conv_lowering="xla", halt_after_steps=3, **cfg),
-                                 str(tmp_path / "b"))
-    meta = checkpoint.newest_meta(checkpoint.manager(str(tmp_path / "a" / "checkpoints")))
+                                 str(tmp_path / "a"))
+    _copy(tmp_path / "a", tmp_path / "b", drop=[3])
+    switched, _ = train_and_evaluate(small_config(conv_lowering="im2col", halt_after_steps=3,
+                                                  **cfg), str(tmp_path / "b"))
+    meta = checkpoint.newest_meta(checkpoint.manager(str(tmp_path / "b" / "checkpoints")))
     assert meta[0].endswith("3") and meta[1]["world_size"] == 8
     for name in ("params", "opt_state"):
         for a, b in zip(jax.tree_util.tree_leaves(to_host(getattr(switched, name))),

@@ -92,11 +92,14 @@ def _env(**more):
     return {**env, "PYTHONUNBUFFERED": "1", **more}
 
 
+@pytest.mark.job
 def test_fake_srun_starts_one_run_of_two_processes(tmp_path):
     job = _free_slurm_job_id()
     procs = [subprocess.Popen(
         [sys.executable, *TRAIN, "--workdir", str(tmp_path), "--config.cpu_devices=2",
-         "--config.num_epochs=1", "--config.halt_after_steps=2",
+         # num_epochs only sets the schedule here (halted at step 2): the programs of
+         # test_multihost's launcher run (2 processes x 2 devices), compiled once a session
+         "--config.num_epochs=100", "--config.halt_after_steps=2",
          "--config.distributed.heartbeat_timeout_s=10"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env=_env(SLURM_JOB_ID=str(job), SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
@@ -141,6 +144,7 @@ def _start_holder(workdir, *prefix):
     return holder
 
 
+@pytest.mark.job
 def test_second_writer_is_refused_while_the_first_lives(tmp_path):
     holder = _start_holder(tmp_path)
     try:

@@ -211,20 +211,41 @@ def _command(*args, cwd=ROOT):
                           capture_output=True, text=True, timeout=300)
 
 
+def _commands(*argvs, cwd=ROOT):
+    """``python -m trjax.train`` with each of ``argvs``, the processes started at once."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs = [subprocess.Popen([sys.executable, "-m", "trjax.train", *a], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for a in argvs]
+    try:
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, outs)]
+
+
+@pytest.mark.job
 def test_python_m_trjax_train_help_and_errors_before_compiling(tmp_path):
-    out = _command("--help")
+    out, nosuch, modle, nowhere = _commands(
+        ["--help"],
+        ["--config", "nosuch", "--workdir", str(tmp_path / "w")],
+        ["--config", "default", "--workdir", str(tmp_path / "w"), "--config.modle=x"],
+        ["--config", "default", "--workdir", str(tmp_path / "w"),
+         "--config.model=trjax_test_nowhere:Net", "--config.cpu_devices=2"])
     assert out.returncode == 1  # absl's --help exit status, as scripts/train.py's
     assert "trjax-train --config default --workdir runs/default" in out.stdout
     assert "--config: A packaged config's name (default, cifar10_resnet20," in out.stdout
     assert "--workdir: Directory for metrics.jsonl" in out.stdout
-    out = _command("--config", "nosuch", "--workdir", str(tmp_path / "w"))
+    out = nosuch
     assert out.returncode == 1 and "error: --config 'nosuch': no such file and no packaged " \
         "config of that name" in out.stderr, out.stderr
-    out = _command("--config", "default", "--workdir", str(tmp_path / "w"), "--config.modle=x")
+    out = modle
     assert out.returncode == 1 and "error: --config.modle: no such config field; did you mean " \
         "model" in out.stderr, out.stderr
-    out = _command("--config", "default", "--workdir", str(tmp_path / "w"),
-                   "--config.model=trjax_test_nowhere:Net", "--config.cpu_devices=2")
+    out = nowhere
     assert out.returncode == 1 and "error: config.model='trjax_test_nowhere:Net': module " \
         "'trjax_test_nowhere' does not import: ModuleNotFoundError" in out.stderr, out.stderr
     assert "compiled" not in out.stdout and not os.path.exists(tmp_path / "w" / "checkpoints")
@@ -240,6 +261,7 @@ def test_a_model_resolved_by_path_is_one_the_trainer_prepares(nets):
     assert tr.data.num_classes == 10 and sum(s.size for s in tr.plan.slots) > 0
 
 
+@pytest.mark.job
 def test_the_command_trains_a_model_named_by_path_from_the_current_directory(tmp_path):
     """``--config.model=mynets:Net`` with ``mynets.py`` beside the run; Net is ResNet-8, so
     the programs are those of tests/test_install.py's run (the session's compilation cache)."""

@@ -36,6 +36,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSING = ("ml_collections", "tensorboardx", "trjax", "__editable__", "_trjax")
 ONLY_TRJAX_MISSING = ("trjax", "__editable__", "_trjax")
 
+pytestmark = pytest.mark.job  # each test builds a venv (and installs into it, or trains)
+
 
 @pytest.fixture(scope="module")
 def wheels(tmp_path_factory):
@@ -51,6 +53,15 @@ def wheels(tmp_path_factory):
     assert any(n.lower().startswith("tensorboardx-") for n in names), names
     assert any(n.startswith("setuptools-") for n in names), names
     return d
+
+
+@pytest.fixture(scope="module")
+def image(tmp_path_factory):
+    """``(repo copy, python)``: one fresh venv like the GPU image (``_fresh_venv``) and one
+    copy of the repository, shared by the tests that only read them (the image's checks,
+    routes A and C: their carried packages come on PYTHONPATH, nothing is installed)."""
+    root = tmp_path_factory.mktemp("image")
+    return _repo_copy(root / "repo"), _fresh_venv(root)
 
 
 def _setuptools_version() -> tuple:
@@ -100,8 +111,8 @@ def _run(cmd, cwd, env, timeout=300):
     return out.stdout
 
 
-def test_the_image_lacks_them(tmp_path):
-    py = _fresh_venv(tmp_path)
+def test_the_image_lacks_them(image, tmp_path):
+    py = image[1]
     for mod in ("ml_collections", "tensorboardX", "trjax"):
         out = subprocess.run([py, "-c", f"import {mod}"], cwd=tmp_path, env=_env(),
                              capture_output=True, text=True)
@@ -109,8 +120,8 @@ def test_the_image_lacks_them(tmp_path):
     _run([py, "-c", "import jax, flax, optax, orbax.checkpoint"], tmp_path, _env())
 
 
-def test_route_a_pythonpath_trains_one_step(tmp_path, wheels):
-    repo, py = _repo_copy(tmp_path / "repo"), _fresh_venv(tmp_path)
+def test_route_a_pythonpath_trains_one_step(image, tmp_path, wheels):
+    repo, py = image
     carried = [w for w in glob.glob(str(wheels / "*.whl"))
                if os.path.basename(w).lower().startswith(("ml_collections", "tensorboardx"))]
     # the programs of gpu_check's dry-run main job (resnet8, 2 devices, batch 32, 2 epochs,
@@ -156,8 +167,8 @@ def test_route_b_pip_without_index(tmp_path, wheels):
         assert out.split() == [str(repo / "trjax" / "__init__.py"), "resnet20"], route
 
 
-def test_route_c_gpu_check_takes_the_wheels(tmp_path, wheels):
-    repo, py = _repo_copy(tmp_path / "repo"), _fresh_venv(tmp_path)
+def test_route_c_gpu_check_takes_the_wheels(image, tmp_path, wheels):
+    repo, py = image
     script = str(repo / "scripts" / "gpu_check.py")
     out = subprocess.run([py, script, str(tmp_path / "none"), "--dry-run", "--parts", "devices",
                           "--wheels", str(tmp_path / "nowhere")], cwd=tmp_path, env=_env(),

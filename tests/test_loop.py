@@ -1,6 +1,7 @@
 """trjax.train.loop across stops and resumes: the logs show each step once, the data a
 checkpoint's position counts must be the data resumed on, the epoch row's learning rate
-is the one its last step used, and the loss scale the host logs is the device's."""
+is the one its last step used (test_stops.py, on its full run), and the loss scale the host
+logs is the device's."""
 import os
 
 import numpy as np
@@ -14,10 +15,19 @@ from trjax.train.metrics_log import read_rows
 from trjax.train.trainer import data_identity
 
 
-def test_tensorboard_shows_each_step_once_after_a_crash_and_a_resume(tmp_path, monkeypatch):
-    """A crash at step 8, past the checkpoint at step 4: the events of steps 5..7 were
-    written (step 6's row among them). After the resume TensorBoard holds every step once, with the values of
+@pytest.mark.job
+def test_a_crash_and_a_resume_onto_other_data_then_the_same_data(tmp_path, monkeypatch):
+    """(test_tensorboard_shows_each_step_once_after_a_crash_and_a_resume and
+    test_a_resume_onto_other_training_data_is_refused, merged: one crashed run.)
+
+    A crash at step 8, past the checkpoint at step 4: the events of steps 5..7 were
+    written (step 6's row among them). The checkpoint records the train set's size and
+    listing fingerprint: one example fewer (a file deleted), or relabelled examples, is an
+    error naming both counts and the way out, before anything is compiled. The same data
+    resumes, and after it TensorBoard holds every step once, with the values of
     steps.jsonl / metrics.jsonl, as an uninterrupted run's."""
+    from trjax import aot
+    data = input_pipeline.load_dataset("digits")
     cfg = small_config(num_epochs=1, log_every_steps=2, checkpoint_every_steps=4)
     real = input_pipeline.to_device
 
@@ -28,38 +38,30 @@ def test_tensorboard_shows_each_step_once_after_a_crash_and_a_resume(tmp_path, m
 
     monkeypatch.setattr(input_pipeline, "to_device", crash_at_8)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        train_and_evaluate(cfg, str(tmp_path))
+        train_and_evaluate(cfg, str(tmp_path), data=data)
     assert [s for s, _ in _scalars(tmp_path / "tensorboard")["step/loss"]] == [2, 4, 6]
     monkeypatch.setattr(input_pipeline, "to_device", real)
-    train_and_evaluate(cfg, str(tmp_path))
+    with monkeypatch.context() as m:
+        m.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+        fewer = data._replace(train=input_pipeline.Split(data.train.images[:-1],
+                                                         data.train.labels[:-1]))
+        with pytest.raises(ValueError, match=r"train_examples: checkpoint 1437 vs now 1436.*"
+                                             r"the training data changed"):
+            train_and_evaluate(cfg, str(tmp_path), data=fewer)
+        labels = data.train.labels.copy()
+        labels[[0, 1]] = labels[[1, 0]] if labels[0] != labels[1] else (labels[0] + 1) % 10
+        relabelled = data._replace(train=input_pipeline.Split(data.train.images, labels))
+        with pytest.raises(ValueError, match="train_fingerprint: checkpoint"):
+            train_and_evaluate(cfg, str(tmp_path), data=relabelled)
+    # the same data resumes
+    _, summary = train_and_evaluate(cfg, str(tmp_path), data=data)
+    assert summary["steps"] == 12
     scalars = _scalars(tmp_path / "tensorboard")
     steps = read_rows(str(tmp_path / "steps.jsonl"))
     assert [r["step"] for r in steps] == [2, 4, 6, 8, 10, 12]
     assert scalars["step/loss"] == [(r["step"], pytest.approx(r["loss"], rel=1e-6))
                                     for r in steps]
     assert [s for s, _ in scalars["val_top1"]] == [12]
-
-
-def test_a_resume_onto_other_training_data_is_refused(tmp_path):
-    """The checkpoint records the train set's size and listing fingerprint: one example
-    fewer (a file deleted), or relabelled examples, is an error naming both counts and
-    the way out, before anything is compiled."""
-    data = input_pipeline.load_dataset("digits")
-    cfg = small_config(num_epochs=1, halt_after_steps=3)
-    train_and_evaluate(cfg, str(tmp_path), data=data)
-    fewer = data._replace(train=input_pipeline.Split(data.train.images[:-1],
-                                                     data.train.labels[:-1]))
-    with pytest.raises(ValueError, match=r"train_examples: checkpoint 1437 vs now 1436.*"
-                                         r"the training data changed"):
-        train_and_evaluate(small_config(num_epochs=1), str(tmp_path), data=fewer)
-    labels = data.train.labels.copy()
-    labels[[0, 1]] = labels[[1, 0]] if labels[0] != labels[1] else (labels[0] + 1) % 10
-    relabelled = data._replace(train=input_pipeline.Split(data.train.images, labels))
-    with pytest.raises(ValueError, match="train_fingerprint: checkpoint"):
-        train_and_evaluate(small_config(num_epochs=1), str(tmp_path), data=relabelled)
-    # the same data resumes
-    _, summary = train_and_evaluate(small_config(num_epochs=1), str(tmp_path), data=data)
-    assert summary["steps"] == 12
 
 
 def test_data_identity_of_a_file_source_is_its_relative_listing(tmp_path):
@@ -76,21 +78,6 @@ def test_data_identity_of_a_file_source_is_its_relative_listing(tmp_path):
     assert one == two and one["train_examples"] == 3
     assert data_identity(Folder("/data/x", names[:2]))["train_fingerprint"] != \
         one["train_fingerprint"]
-
-
-def test_the_epoch_row_reports_the_learning_rate_its_last_step_used(tmp_path):
-    """metrics.jsonl's lr is the rate step t applied (the step log's convention): the
-    schedule at index t - 1, not the next step's."""
-    cfg = small_config(num_epochs=2, log_every_steps=12)
-    train_and_evaluate(cfg, str(tmp_path))
-    epochs = read_rows(str(tmp_path / "metrics.jsonl"))
-    steps = {r["step"]: r for r in read_rows(str(tmp_path / "steps.jsonl"))}
-    assert [r["step"] for r in epochs] == [12, 24]
-    for r in epochs:
-        assert r["lr"] == pytest.approx(steps[r["step"]]["lr"], rel=1e-7)
-    # warmup over the first epoch (12 steps) to 0.2, then cosine: step 12 used 0.2 * 11/12
-    assert epochs[0]["lr"] == pytest.approx(0.2 * 11 / 12, rel=1e-6)
-
 
 
 def test_the_loss_scale_the_host_logs_and_acts_on_is_the_devices(tmp_path):
@@ -127,6 +114,7 @@ def test_the_loss_scale_the_host_logs_and_acts_on_is_the_devices(tmp_path):
     assert any(b < a for a, b in zip(device, device[1:]))  # fell
 
 
+@pytest.mark.job
 def test_files_skipped_before_a_mid_epoch_stop_are_still_counted_after_the_resume(tmp_path):
     """skip_bad_images: the undecodable files found before a mid-epoch checkpoint travel in
     its meta, so the resumed run's summary counts them as the uninterrupted run does."""

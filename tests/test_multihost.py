@@ -8,6 +8,7 @@ import sys
 import time
 
 import flax
+import pytest
 
 from helpers import (assert_each_step_within_reorder_rounding, small_config, to_host,
                      trainer_batch)
@@ -26,6 +27,7 @@ def _env():
     return env
 
 
+@pytest.mark.job
 def test_two_processes_match_one_process(tmp_path):
     """2 processes x 4 devices against 1 process x 8 devices, one epoch (12 steps of global
     batch 128), every step checked: the 2-process run saves a checkpoint after each step,
@@ -97,6 +99,7 @@ def _lose(procs, victim, sig):
             p.wait()
 
 
+@pytest.mark.job
 def test_killed_peer_makes_the_survivor_exit_nonzero_naming_it(tmp_path):
     """The field failure: the survivor exited at once saying only that "a peer process has
     probably died". Now its line names its own step and the lost process with the last step
@@ -111,6 +114,7 @@ def test_killed_peer_makes_the_survivor_exit_nonzero_naming_it(tmp_path):
                      r"3\.", rest), rest[-3000:]
 
 
+@pytest.mark.job
 def test_stalled_coordinator_makes_the_survivor_exit_nonzero_naming_it(tmp_path):
     """The field failure: with a stalled peer the survivor was aborted by jax's runtime
     (SIGABRT) about a heartbeat timeout later, without a trjax line. SIGSTOP of process 0 (it
@@ -123,6 +127,7 @@ def test_stalled_coordinator_makes_the_survivor_exit_nonzero_naming_it(tmp_path)
                      r"[^\n]*\): it died or stalled\. Exiting with code 3\.", rest), rest[-3000:]
 
 
+@pytest.mark.job
 def test_sigterm_to_the_launcher_stops_every_process_with_a_checkpoint(tmp_path):
     """The field failure: the launcher died at once on SIGTERM and left its processes
     running without a stop checkpoint. Now it forwards the signal, waits for the agreed

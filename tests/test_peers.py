@@ -15,6 +15,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from trjax.train import distributed, stops
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -192,6 +194,7 @@ def _port():
         return s.getsockname()[1]
 
 
+@pytest.mark.job
 def test_every_survivor_names_the_killed_or_stopped_peer():
     """The four ways a peer goes, at once (8 small processes): kill or SIGSTOP process 1
     (the survivor, process 0, holds jax's service: a collective error or a heartbeat that
