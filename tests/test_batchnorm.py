@@ -12,12 +12,14 @@ against the numpy formula, running variances near epsilon included.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import max_rel, random_batch, reference_step, setup, to_host
-from trjax import aot, compression, exchange, optim, steps
+from helpers import max_rel, random_batch, setup, to_host
+from trjax import aot, compression, exchange, models, optim, steps
 from trjax.batchnorm import BatchNorm, fold_batchnorm, fold_batchnorm_tree
+from trjax.plan import build_plan
 from trjax.state import create_train_state
 from trjax.world import make_world
 
@@ -109,11 +111,26 @@ def test_local_mode_each_replica_its_own_real_rows():
 MASK = np.array([1, 1, 1, 0, 1, 0, 0, 0], np.float32)  # device 0: 3 real rows, device 1: 1
 
 
+# ResNet-8 cut to one BasicBlock of 8 channels: the stem BN, the block's two BNs and the
+# residual, at a fraction of the full model's compile time (six train steps are compiled here)
+SMALL = dict(stage_sizes=(1,), widths=(8,), stem_width=8)
+
+
+def _small_setup(bn_mode):
+    """helpers.setup("2", 8, bn_mode) for the SMALL ResNet-8."""
+    world = make_world("2", 8)
+    model = models.create_model("resnet8", num_classes=10, bn_mode=bn_mode, axis_name="data",
+                                **SMALL)
+    plan = build_plan(model, (8, 8, 1))
+    tx = optim.make_optimizer("sgd", 0.1, plan, weight_decay=1e-3)
+    return world, model, plan, tx
+
+
 def _uneven_step(bn_mode, k=1, kind="allreduce"):
     batch = random_batch(8, seed=7)
     batch["mask"] = MASK.copy()
     batch["image"][MASK == 0] = 50.0  # padding rows hold garbage that must count nowhere
-    world, model, plan, tx, state = setup("2", 8, bn_mode)
+    world, model, plan, tx = _small_setup(bn_mode)
     if kind == "zero1":
         ex = exchange.shard_optimizer_state(
             plan, 2, lambda mask: optim.make_optimizer("sgd", 0.1, plan, mask=mask,
@@ -135,14 +152,31 @@ def _uneven_step(bn_mode, k=1, kind="allreduce"):
 _REFERENCES = {}
 
 
+def _reference_step(params, batch_stats, opt_state, tx, batch):
+    """helpers.reference_step for the SMALL ResNet-8: one plain single-device step on the
+    whole batch (flax's apply, local BN, no shard_map, no buckets, no mask)."""
+    model = models.create_model("resnet8", num_classes=10, bn_mode="local", axis_name=None,
+                                bn_momentum=0.9, **SMALL)
+
+    def loss_fn(p):
+        logits, new_vars = model.apply({"params": p, "batch_stats": batch_stats},
+                                       batch["image"], train=True, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, new_vars["batch_stats"]
+
+    (loss, new_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_bs, new_opt_state, loss, grads
+
+
 def _reference(s0, tx, batch):
-    """helpers.reference_step on the real rows, compiled as one program and computed once
+    """The reference step on the real rows, compiled as one program and computed once
     per start state (every case here starts from the same initialisation and optimizer)."""
     key = b"".join(np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(
         (s0.params, s0.batch_stats, batch)))
     if key not in _REFERENCES:
         real = {k: v[MASK > 0] for k, v in batch.items()}
-        step = jax.jit(lambda p, bs, o, b: reference_step("resnet8", p, bs, o, tx, b))
+        step = jax.jit(lambda p, bs, o, b: _reference_step(p, bs, o, tx, b))
         _REFERENCES[key] = to_host(step(s0.params, s0.batch_stats, tx.init(s0.params), real))
     return _REFERENCES[key]
 

@@ -80,6 +80,7 @@ print(json.dumps(log.cache_summary()))
 """
 
 
+@pytest.mark.job
 def test_a_damaged_cache_entry_is_written_again_and_counted(tmp_path):
     """The field failure: a truncated entry (a process killed while jax wrote it) that jax
     cannot load, while its file exists, so jax's file cache never replaced it and every
@@ -130,6 +131,7 @@ def test_a_cache_folder_that_cannot_be_made_is_named_or_turned_off(tmp_path, mon
     assert compilation.cache_dir() is None
 
 
+@pytest.mark.job
 def test_second_process_with_the_same_cache_compiles_nothing(tiny_time_to_accuracy):
     """scripts/train.py twice on one --config.compilation_cache_dir: the first process
     (a fresh cache) compiles, the second loads every program from jax's persistent cache
@@ -163,6 +165,7 @@ def test_second_process_with_the_same_cache_compiles_nothing(tiny_time_to_accura
     assert warm["compilation_cache"]["compile_s"] == 0.0
 
 
+@pytest.mark.job
 def test_summary_counts_are_measured_a_forced_compile_shows(tmp_path, monkeypatch):
     real_compile_step, real_to_device = aot.compile_step, input_pipeline.to_device
 
@@ -198,7 +201,9 @@ def test_train_state_is_one_program_with_rank0_bits(bn_mode, shard):
     from trjax.state import create_train_state, state_specs
     from trjax.world import make_world
     world = make_world("all", 32)
-    model = models.create_model("resnet8", num_classes=10, bn_mode=bn_mode, axis_name="data")
+    # ResNet-8 cut to one BasicBlock of 8 channels: every layer kind's initialiser
+    model = models.create_model("resnet8", num_classes=10, stage_sizes=(1,), widths=(8,),
+                                stem_width=8, bn_mode=bn_mode, axis_name="data")
     plan = build_plan(model, (8, 8, 1))
     ex = (exchange.shard_optimizer_state(plan, world.world_size,
                                          lambda mask: optim.make_optimizer("sgd", 0.1, mask=mask))

@@ -12,14 +12,33 @@ from trjax import aot
 from trjax.cpu import compile_options as co
 
 
+def _setup():
+    """helpers.setup's running-BN train state on 2 devices (global batch 16) for ResNet-8 cut
+    to one BasicBlock of 8 channels: every layer kind (convs, BatchNorm, the residual, the
+    head) at a fraction of the full model's compile time, which these tests pay under two
+    option sets, -O3 included."""
+    from trjax import exchange, models, optim
+    from trjax.plan import build_plan
+    from trjax.state import create_train_state
+    from trjax.world import make_world
+    world = make_world("0-1", 16)
+    model = models.create_model("resnet8", num_classes=10, stage_sizes=(1,), widths=(8,),
+                                stem_width=8, bn_mode="running", axis_name="data")
+    plan = build_plan(model, (8, 8, 1))
+    tx = optim.make_optimizer("sgd", 0.1, plan, weight_decay=1e-3)
+    state = create_train_state(jax.random.key(0), model, exchange.allreduce(tx, plan), world,
+                               (8, 8, 1), "running")
+    return world, model, plan, tx, state
+
+
 def test_cpu_steps_compile_with_region_analysis_same_bits_fewer_copies():
     """compile_step compiles CPU steps with STEP_OPTIONS: copy insertion with region
     analysis drops the copies XLA made of momenta and kernels before updating them in the
     donated state (88 -> 22 per device-step in the main job), and changes no bit."""
-    from helpers import random_batch, setup
+    from helpers import random_batch
     from trjax import exchange, steps
 
-    world, model, plan, tx, state = setup("0-1", global_batch=16, bn_mode="running")
+    world, model, plan, tx, state = _setup()
     fn = steps.make_train_step(model, exchange.allreduce(tx, plan), plan, world, "running")
     batch = jax.device_put(random_batch(16), world.sharded())
     assert co.step_options((state, batch)) == co.STEP_OPTIONS
@@ -42,9 +61,10 @@ def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
     (INIT_OPTIONS: -O1, elemental emitters) gives the same bits; one train
     step (co.STEP_OPTIONS: -O1) from the same state stays within the rounding of a
     reordered sum (the
-    main job's 180 steps gave the same bits; ResNet-8 on 2 devices differs in a few ulps),
+    main job's 180 steps gave the same bits; ResNet-8 on 2 devices differs in a few ulps;
+    here one block of it),
     and an evaluation of the same state gives the same counts and loss sum to 1e-6."""
-    from helpers import assert_within_reorder_rounding, random_batch, setup
+    from helpers import assert_within_reorder_rounding, random_batch
     from trjax import exchange, steps
     from trjax.metrics import METRICS
 
@@ -54,7 +74,7 @@ def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
     host = lambda tree: jax.tree_util.tree_map(np.asarray, tree)
 
     def run():
-        world, model, plan, tx, state = setup("0-1", global_batch=16, bn_mode="running")
+        world, model, plan, tx, state = _setup()
         first = host(state)
         batch = jax.device_put(random_batch(16), world.sharded())
         train = aot.compile_step("train", steps.make_train_step(

@@ -1,11 +1,13 @@
 """Same numbers whatever the device count; non-finite steps skipped; LARS; donation."""
+import functools
+
 import jax
 import numpy as np
 import optax
 import pytest
 
-from helpers import (assert_each_step_within_reorder_rounding, max_rel, random_batch, setup,
-                     skip_train_step_compile, small_config, to_host, trainer_batch,
+from helpers import (assert_each_step_within_reorder_rounding, max_rel, put_like, random_batch,
+                     setup, skip_train_step_compile, small_config, to_host, trainer_batch,
                      trainer_states)
 from trjax.data import input_pipeline as ip
 from trjax import aot, exchange, optim, steps
@@ -76,14 +78,24 @@ def test_one_epoch_1000_examples_batch_96_same_on_1_and_8_devices():
     print(f"worst leaf / bound: {worst:.3g}")
 
 
-def test_inf_on_one_replica_skips_the_step_everywhere():
-    # running mode also checks the all-reduced BN statistics, which the inf makes non-finite
-    # too; sync mode has only the gradient check: test_replicas' "sync_bn" case covers it
+@functools.lru_cache(maxsize=None)
+def _running_step():
+    """``(world, host start state, start state, step)``: helpers.setup's running-BN state on
+    8 devices and its donating train step, compiled once for the module; the start state is
+    never handed to the step (each test runs a fresh copy, helpers.put_like)."""
     world, model, plan, tx, state = setup("all", 32, "running")
     step = aot.compile_step("train", steps.make_train_step(
         model, exchange.allreduce(tx, plan), plan, world, "running"),
         state, jax.device_put(random_batch(32), world.sharded()),
         donate_argnums=0)
+    return world, to_host(state), state, step
+
+
+def test_inf_on_one_replica_skips_the_step_everywhere():
+    # running mode also checks the all-reduced BN statistics, which the inf makes non-finite
+    # too; sync mode has only the gradient check: test_replicas' "sync_bn" case covers it
+    world, host0, like, step = _running_step()
+    state = put_like(host0, like)
     state, m = step(state, jax.device_put(random_batch(32, seed=1), world.sharded()))
     assert np.asarray(m)[4] == 1.0
     before = to_host(state)
@@ -104,6 +116,7 @@ def test_inf_on_one_replica_skips_the_step_everywhere():
     assert int(np.asarray(state.skipped_steps)) == 1
 
 
+@pytest.mark.job
 def test_halt_on_nonfinite_stops_with_a_clear_error(tmp_path):
     cfg = small_config(learning_rate=1e30, warmup_epochs=0, halt_on_nonfinite=True)
     with pytest.raises(FloatingPointError, match=r"step \d+: non-finite gradient"):
@@ -144,11 +157,9 @@ def test_dynamic_loss_scale():
 
 
 def test_donation_aliases_and_reuse():
-    world, model, plan, tx, state = setup("all", 32, "running")
+    world, host0, like, step = _running_step()  # the module's donating step
+    state = put_like(host0, like)
     batch = jax.device_put(random_batch(32), world.sharded())
-    step = aot.compile_step("train", steps.make_train_step(
-        model, exchange.allreduce(tx, plan), plan, world, "running"),
-        state, batch, donate_argnums=0)
     # the same array twice in the donated state: de-aliased, not corrupted
     aliased = state.replace(good_steps=state.skipped_steps)
     new, _ = step(aliased, batch)

@@ -1,64 +1,34 @@
-"""The gradient exchanges in the train step: bucket policies, all-reduce algorithms (hierarchical
-included), compression, accumulation and the sharded optimizer state (ZeRO-1)."""
+"""The gradient exchanges: accumulation and the sharded optimizer state (ZeRO-1) in the train
+step, the strategy a config picks (hierarchical included) and top-k's error feedback.
+
+Bucket policies, the all-reduce algorithms against psum, bf16 compression's bytes and the
+compressor state carried over steps run on test_exchange_paths' compiled steps."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from helpers import max_rel, random_batch, setup, small_config, to_host
-from trjax import aot, comm, compression, exchange, optim, steps
+from helpers import max_rel, random_batch, small_config, to_host
+from trjax import aot, comm, compression, exchange, models, optim, steps
 from trjax.plan import build_plan
 from trjax.state import create_train_state
 from trjax.world import make_world
 
 
-def _one_step(policy="two", allreduce="xla", compressor=None, bn_mode="running", local_size=None,
-              batches=1):
-    world, model, plan, tx, _ = setup("all", 32, bn_mode)
-    plan = build_plan(model, (8, 8, 1), policy)
-    ex = exchange.allreduce(tx, plan, allreduce, local_size) if compressor is None else \
-        exchange.compressed(tx, plan, compressor)
-    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), bn_mode)
-    batch = jax.device_put(random_batch(32, seed=5), world.sharded())
-    step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, bn_mode),
-                            state, batch, donate_argnums=0)
-    for i in range(batches):
-        state, m = step(state, jax.device_put(random_batch(32, seed=5 + i), world.sharded()))
-    return plan, step, to_host(state), np.asarray(m)
+def _small_setup(world_spec, bn_mode="running"):
+    """ResNet-8 cut to one BasicBlock of 8 channels (test_exchange_paths' model: every layer
+    kind, the default "two" buckets, a fraction of the full model's compile time) over
+    ``world_spec``, global batch 32; SGD at lr 0.1 with decay, as helpers.setup."""
+    world = make_world(world_spec, 32)
+    model = models.create_model("resnet8", num_classes=10, stage_sizes=(1,), widths=(8,),
+                                stem_width=8, bn_mode=bn_mode, axis_name="data")
+    plan = build_plan(model, (8, 8, 1))
+    tx = optim.make_optimizer("sgd", 0.1, plan, weight_decay=1e-3)
+    return world, model, plan, tx
 
 
-@pytest.fixture(scope="module")
-def reference():
-    return _one_step()
-
-
-@pytest.mark.parametrize("policy", ["tail_minimal", "size:0.05"])  # per_leaf: test_regions_plan
-def test_bucket_policies_give_the_same_step(reference, policy):
-    plan, step, new, m = _one_step(policy)
-    assert max_rel(new.params, reference[2].params) <= 1e-6
-    assert max_rel(new.opt_state, reference[2].opt_state) <= 1e-6
-    np.testing.assert_array_equal(new.batch_stats["stem_bn"]["mean"],
-                                  reference[2].batch_stats["stem_bn"]["mean"])
-    np.testing.assert_allclose(m, reference[3], rtol=1e-6)  # loss sum: summation order only
-    np.testing.assert_array_equal(m[1:], reference[3][1:])  # counts exact
-    # chained buckets stay one all-reduce each, in plan order
-    cols = comm.collectives_in_hlo(step.hlo_text())
-    bucket_cols = [c["elements"] for c in cols if c["elements"] in set(plan.bucket_elements.values())]
-    assert bucket_cols == list(plan.bucket_elements.values())
-    assert len(plan.bucket_elements) > 2 or policy == "tail_minimal"
-
-
-@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "tree", "hierarchical"])
-def test_allreduce_algorithms_in_the_step_equal_psum(reference, algorithm):
-    plan, step, new, m = _one_step(allreduce=algorithm, local_size=4)
-    assert max_rel(new.params, reference[2].params) <= 1e-5
-    assert max_rel(new.batch_stats, reference[2].batch_stats) <= 1e-5
-    np.testing.assert_array_equal(m[1:], reference[3][1:])
-    kinds = [c["kind"] for c in comm.collectives_in_hlo(step.hlo_text())]
-    if algorithm == "hierarchical":  # per bucket: within nodes, across nodes, within nodes
-        assert kinds.count("reduce-scatter") == kinds.count("all-gather") == 2
-    else:
-        assert "collective-permute" in kinds
+# The bucket policies, the all-reduce algorithms against psum, bf16's requested bytes and the
+# compressor state carried over steps: test_exchange_paths (the module's compiled steps).
 
 
 def test_hierarchical_allreduce_from_config_groups_by_local_size():
@@ -82,47 +52,6 @@ def test_from_config_picks_one_strategy(overrides, name, vma, keys):
     tr = prepare(small_config(**overrides))
     ex = tr.exchange
     assert (ex.name, ex.check_vma, ex.checkpoint_keys(tr.world)) == (name, vma, keys)
-
-
-def test_compression_bf16_halves_requested_bytes_and_stays_close(reference):
-    plan, step, new, m = _one_step(compressor=compression.make_compressor("bf16"))
-    ref_plan, ref_step, _, _ = reference
-    ops = lambda s: [o for c in comm.requested_collectives(s.lowered_text) for o in c["operands"]]
-    bucket_elems = set(ref_plan.bucket_elements.values())
-    ref_bytes = sum(o["bytes"] for o in ops(ref_step) if o["elements"] in bucket_elems)
-    assert ref_bytes == ref_plan.gradient_bytes + 16  # fp32 buckets (+ 4 metric sums)
-    bf16_bytes = sum(o["bytes"] for o in ops(step) if o["dtype"] == "bf16")
-    assert bf16_bytes == plan.gradient_elements * 2 == ref_plan.gradient_bytes // 2
-    np.testing.assert_array_equal(m, reference[3])  # metrics stay exact
-    assert max_rel(new.params, reference[2].params) <= 1e-2
-
-
-def test_compressor_state_is_carried():
-    """Step 2 sends top-k of (gradient + step 1's error): the state is read back. (One
-    compiled step serves every run: two runs from the same start, each from a fresh state.)"""
-    topk = compression.make_compressor("topk", ratio=0.05)
-    world, model, plan, tx, _ = setup("all", 32, "running")
-    ex = exchange.compressed(tx, plan, topk)
-    fresh_state = lambda: create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1),
-                                             "running")
-    batch = lambda seed: jax.device_put(random_batch(32, seed=seed), world.sharded())
-    step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, "running"),
-                            fresh_state(), batch(5), donate_argnums=0)
-    state, m = step(fresh_state(), batch(5))
-    one, m = to_host(state), np.asarray(m)
-    err = one.comm_state["deep"]["error"]
-    assert err.shape[0] == 8 and np.abs(err).max() > 0  # error feedback, one row per replica
-    assert m[3] == 32
-    two = to_host(step(state, batch(6))[0])
-    # the same second step with the error zeroed: the sent update differs
-    state, _ = step(fresh_state(), batch(5))
-    np.testing.assert_array_equal(to_host(state.comm_state)["deep"]["error"], err)
-    zeroed = state.replace(comm_state=jax.tree_util.tree_map(
-        lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), state.comm_state))
-    fresh, _ = step(zeroed, batch(6))
-    assert max_rel(to_host(fresh.params), two.params) > 1e-6
-    assert not np.array_equal(two.comm_state["deep"]["error"],
-                              to_host(fresh.comm_state)["deep"]["error"])
 
 
 @pytest.mark.parametrize("method", ["allgather", "dense"])
@@ -166,7 +95,9 @@ def test_accumulation_equals_twice_the_replicas():
     batch = random_batch(32, seed=11)
     out = {}
     for spec, k in (("8", 1), ("4", 2)):
-        world, model, plan, tx, state = setup(spec, 32, "running")
+        world, model, plan, tx = _small_setup(spec)
+        state = create_train_state(jax.random.key(0), model, exchange.allreduce(tx, plan), world,
+                                   (8, 8, 1), "running")
         step = aot.compile_step("train", steps.make_train_step(
             model, exchange.allreduce(tx, plan), plan, world, "running",
             grad_accumulation_steps=k),
@@ -187,7 +118,7 @@ def test_shard_optimizer_state_equals_replicated_optimizer_and_shards_it():
     rounding (a reordered sum), not amplified by the training dynamics as three moving
     steps would be (issue 36)."""
     batch = random_batch(32, seed=12)
-    world, model, plan, _, state = setup("all", 32, "running")
+    world, model, plan, _ = _small_setup("all")
     lr, wd = 0.1, 1e-3
     schedule = lambda count: jnp.where(count < 2, 0.0, lr)
     results = {}

@@ -8,7 +8,12 @@ at a later step.
 One small ResNet-8 (one stage of width 8), local BN (no BN collective: the program's
 collectives are the exchange's only), 8 devices, global batch 32, the default "two" buckets.
 Each path's step is compiled once for the module, with the dynamic loss scale on (a state
-with loss scale 1 runs it as the fp32 step: the loss times 1, the sums divided by 1)."""
+with loss scale 1 runs it as the fp32 step: the loss times 1, the sums divided by 1).
+
+Against the plain ``xla`` all-reduce (one step each from the same state and batch, every
+step the module's compiled one): the other all-reduce algorithms and bucket policies land
+within rounding, bf16 compression halves the bytes it requests, and top-k carries its
+error feedback (these were test_exchange.py's, on the full ResNet-8)."""
 import collections
 import functools
 
@@ -16,7 +21,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import random_batch, to_host
+from helpers import max_rel, random_batch, to_host
 from trjax import aot, comm, compression, exchange, models, optim, steps
 from trjax.metrics import METRICS
 from trjax.plan import build_plan, layer_matrices, shard_layout
@@ -43,8 +48,13 @@ def _tx(plan, mask=None):
                                 weight_decay=1e-3, momentum=0.9)
 
 
-def _exchange(path, start_step=0):
-    _, _, plan = _setup()
+@functools.lru_cache(maxsize=None)
+def _plan(policy="two"):
+    return _setup()[2] if policy == "two" else build_plan(_setup()[1], (8, 8, 1), policy)
+
+
+def _exchange(path, start_step=0, policy="two"):
+    plan = _plan(policy)
     if path in ALGORITHMS:
         return exchange.allreduce(_tx(plan), plan, path, LOCAL)
     if path == "shard_optimizer_state":
@@ -57,10 +67,11 @@ def _exchange(path, start_step=0):
 
 
 @functools.lru_cache(maxsize=None)
-def _built(path, start_step=0):
+def _built(path, start_step=0, policy="two"):
     """``(compiled step, initial state)``; not donated, so a state can be run twice."""
-    world, model, plan = _setup()
-    ex = _exchange(path, start_step)
+    world, model, _ = _setup()
+    plan = _plan(policy)
+    ex = _exchange(path, start_step, policy)
     state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), BN)
     step = aot.compile_step("train", steps.make_train_step(
         model, ex, plan, world, BN, dynamic_loss_scale=True), state, _batch(0))
@@ -284,3 +295,91 @@ def test_compression_start_step_steps_before_it_are_uncompressed_bit_for_bit():
     assert any(np.any(leaf) for leaf in jax.tree_util.tree_leaves(third.comm_state))
     assert any(not np.array_equal(x, y) for x, y in zip(
         jax.tree_util.tree_leaves(third.params), jax.tree_util.tree_leaves(plain3.params)))
+
+
+# --------------------------------------------------------------------------- against psum
+
+@functools.lru_cache(maxsize=None)
+def _first_step(path, policy="two"):
+    """``(host state, metrics)`` of one step of ``path`` from the initial state on batch 0."""
+    step, init = _built(path, policy=policy)
+    state, m = step(init, _batch(0))
+    return to_host(state), np.asarray(m)
+
+
+@pytest.mark.parametrize("policy", ["tail_minimal", "size:0.002"])  # per_leaf: test_regions_plan
+def test_bucket_policies_give_the_same_step(policy):
+    """Another bucket policy (``size:0.002``: 2 kB buckets, five of them on this model) moves
+    elements between buckets, not their values: the step of the default "two" buckets
+    within rounding, the counts exact; the chained buckets stay one all-reduce each, in plan
+    order."""
+    ref, m_ref = _first_step("xla")
+    new, m = _first_step("xla", policy)
+    plan = _plan(policy)
+    assert max_rel(new.params, ref.params) <= 1e-6
+    assert max_rel(new.opt_state, ref.opt_state) <= 1e-6
+    np.testing.assert_array_equal(new.batch_stats["stem_bn"]["mean"],
+                                  ref.batch_stats["stem_bn"]["mean"])
+    np.testing.assert_allclose(m, m_ref, rtol=1e-6)  # loss sum: summation order only
+    np.testing.assert_array_equal(m[1:], m_ref[1:])  # counts exact
+    cols = comm.collectives_in_hlo(_built("xla", policy=policy)[0].hlo_text())
+    sizes = set(plan.bucket_elements.values())
+    bucket_cols = [c["elements"] for c in cols if c["elements"] in sizes]
+    assert bucket_cols == list(plan.bucket_elements.values())
+    assert len(plan.bucket_elements) > 2 or policy == "tail_minimal"
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "halving_doubling", "tree", "hierarchical"])
+def test_allreduce_algorithms_in_the_step_equal_psum(algorithm):
+    """One step of each ppermute / hierarchical all-reduce against the plain psum
+    (``xla``) step from the same state: within the rounding of reordered sums, counts
+    exact. (Their collectives, per bucket: test_collectives_per_bucket_on_every_exchange_path.)"""
+    ref, m_ref = _first_step("xla")
+    new, m = _first_step(algorithm)
+    assert max_rel(new.params, ref.params) <= 1e-5
+    assert max_rel(new.opt_state, ref.opt_state) <= 1e-5
+    assert max_rel(new.batch_stats, ref.batch_stats) <= 1e-5
+    np.testing.assert_array_equal(m[1:], m_ref[1:])
+    kinds = [c["kind"] for c in comm.collectives_in_hlo(_built(algorithm)[0].hlo_text())]
+    if algorithm == "hierarchical":  # per bucket: within nodes, across nodes, within nodes
+        assert kinds.count("reduce-scatter") == kinds.count("all-gather") == 2
+    else:
+        assert "collective-permute" in kinds
+
+
+def test_compression_bf16_halves_requested_bytes_and_stays_close():
+    """The bf16 compressor requests half the fp32 buckets' gradient bytes (XLA:CPU then runs
+    it in f32: the compiled collectives are test_collectives_per_bucket's); its metrics
+    stay exact and its step within bf16's rounding of the psum step."""
+    ref, m_ref = _first_step("xla")
+    new, m = _first_step("bf16")
+    plan = _plan()
+    ops = lambda s: [o for c in comm.requested_collectives(s.lowered_text) for o in c["operands"]]
+    bucket_elems = set(plan.bucket_elements.values())
+    ref_bytes = sum(o["bytes"] for o in ops(_built("xla")[0]) if o["elements"] in bucket_elems)
+    assert ref_bytes == plan.gradient_bytes + 16  # fp32 buckets (+ 4 metric sums)
+    bf16_bytes = sum(o["bytes"] for o in ops(_built("bf16")[0]) if o["dtype"] == "bf16")
+    assert bf16_bytes == plan.gradient_elements * 2 == plan.gradient_bytes // 2
+    np.testing.assert_array_equal(m, m_ref)  # metrics stay exact
+    assert max_rel(new.params, ref.params) <= 1e-2
+
+
+def test_compressor_state_is_carried():
+    """Step 2 sends top-k of (gradient + step 1's error): the state is read back. Two runs
+    from the same first state (the module's step is not donated): one with the error as
+    step 1 left it, one with it zeroed; the sent update differs."""
+    step, init = _built("topk")
+    state, m = step(init, _batch(0))
+    one, m = to_host(state), np.asarray(m)
+    err = one.comm_state["deep"]["error"]
+    assert err.shape[0] == N and np.abs(err).max() > 0  # error feedback, one row per replica
+    assert m[METRICS.index("count")] == 32
+    two = to_host(step(state, _batch(1))[0])
+    again, _ = step(init, _batch(0))  # the same first step again: the same error
+    np.testing.assert_array_equal(to_host(again.comm_state)["deep"]["error"], err)
+    zeroed = state.replace(comm_state=jax.tree_util.tree_map(
+        lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), state.comm_state))
+    fresh, _ = step(zeroed, _batch(1))
+    assert max_rel(to_host(fresh.params), two.params) > 1e-6
+    assert not np.array_equal(two.comm_state["deep"]["error"],
+                              to_host(fresh.comm_state)["deep"]["error"])

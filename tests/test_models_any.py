@@ -278,6 +278,7 @@ def _bits(tree):
     return [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
 
 
+@pytest.mark.job
 @pytest.mark.parametrize("kind", ["linen_dropout", "nnx_dropout_bn"])
 def test_train_and_evaluate_resume_is_bitwise(kind, tmp_path):
     make = {"linen_dropout": LinenDropout,
@@ -475,6 +476,7 @@ def test_flax_batchnorm_settings_are_honoured(kw):
         np.testing.assert_allclose(a, b, rtol=2e-6, atol=1e-6)
 
 
+@pytest.mark.job
 def test_resume_with_another_model_is_refused_by_name(tmp_path):
     data = _digits()
     train_and_evaluate(_config("2", halt_after_steps=1), str(tmp_path), data, model=LinenPlain())

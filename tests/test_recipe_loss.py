@@ -146,7 +146,9 @@ def test_mixing_by_hand_fixed_lambda_and_permutation():
 
 
 def test_mixup_step_with_padding_nan_and_alpha_zero_is_the_plain_step():
-    model = models.create_model("resnet8", num_classes=K, bn_mode="sync", axis_name=None)
+    # ResNet-8 cut to one BasicBlock of 8 channels (BatchNorm over the mixed rows included)
+    model = models.create_model("resnet8", num_classes=K, bn_mode="sync", axis_name=None,
+                                stage_sizes=(1,), widths=(8,), stem_width=8)
     variables = models.as_network(model).init(jax.random.key(0), IMAGE_SHAPE)
     params, bs = variables["params"], variables["batch_stats"]
     batch = _padded_batch(8, 6)

@@ -8,7 +8,15 @@ differently) would compile and run there. Tests that read device 0 cannot see
 it; this one reads every device's shard.
 
 Three steps per path on 8 devices: a normal step, a step with an inf pixel in
-one real row of replica 3 (every replica must skip it), a normal step.
+one real row of replica 3 (every replica must skip it), a normal step. The
+exchange paths run test_exchange_paths' compiled steps (the module is imported:
+one compile per path for both files when they run in one session; its steps
+are not donated), local BN and the dynamic loss scale on: local BN keeps
+per-device statistics, so a per-device non-finite decision in the exchange is
+not rescued by the running-statistics check (which is global), and the loss
+scale and its good-step count are replicated state too. The running-statistics
+all-reduce is checked on the plain all-reduce, sync BN and accumulation, which
+compile their own steps here (running BN, from the config).
 Checked by planting, one at a time: the ring's all-gather phase one step short
 (params differ), the running-statistics all-reduce removed (batch_stats
 differ), the exchange's non-finite decision taken on the local buffers
@@ -26,25 +34,19 @@ from trjax.world import make_world
 
 GLOBAL_BATCH = 32  # local batch 4 on 8 devices
 
-PATHS = {
+# compiled here, from the config: the BatchNorm modes and accumulation
+CONFIG_PATHS = {
     "xla": {},
     # sync BN: no running-statistics check, so only the gradient's non-finite check skips
     # the inf step (planted: that check removed -> finite [1, 1, 1], caught here)
     "sync_bn": {"bn_mode": "sync"},
-    "ring": {"allreduce": "ring"},
-    "halving_doubling": {"allreduce": "halving_doubling"},
-    "tree": {"allreduce": "tree"},
-    "hierarchical": {"allreduce": "hierarchical", "allreduce_local_size": 4},
-    "bf16": {"compression": "bf16"},
-    "fp16": {"compression": "fp16"},
-    "powersgd": {"compression": "powersgd"},
-    "topk": {"compression": "topk", "topk_ratio": 0.1},
-    "zero1": {"shard_optimizer_state": True},
     "accumulation": {"grad_accumulation_steps": 2},
-    # local BN keeps per-device statistics, so a per-device non-finite decision in
-    # the exchange is not rescued by the running-statistics check (which is global)
-    "powersgd_local_bn": {"compression": "powersgd", "bn_mode": "local"},
 }
+# test_exchange_paths' steps (local BN, dynamic loss scale): every other exchange path. Its
+# powersgd is the former "powersgd_local_bn" case (local BN); zero1 its shard_optimizer_state
+EXCHANGE_PATHS = {"ring": "ring", "halving_doubling": "halving_doubling", "tree": "tree",
+                  "hierarchical": "hierarchical", "bf16": "bf16", "fp16": "fp16",
+                  "powersgd": "powersgd", "topk": "topk", "zero1": "shard_optimizer_state"}
 
 
 def _batches():
@@ -65,11 +67,11 @@ def replica_mismatches(tree) -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_replicated_state_is_bitwise_identical_on_every_device(path):
-    overrides = dict(global_batch_size=GLOBAL_BATCH, eval_batch_size=GLOBAL_BATCH, bn_mode="running",
-                     warmup_epochs=0, learning_rate=0.1)
-    overrides.update(PATHS[path])
+def _config_step(path):
+    """``(step, state, world, bn_mode, shard_optimizer_state)`` of a CONFIG_PATHS case."""
+    overrides = dict(global_batch_size=GLOBAL_BATCH, eval_batch_size=GLOBAL_BATCH,
+                     bn_mode="running", warmup_epochs=0, learning_rate=0.1)
+    overrides.update(CONFIG_PATHS[path])
     cfg = small_config(**overrides)
     world = make_world("all", GLOBAL_BATCH)
     assert world.world_size == 8
@@ -81,6 +83,21 @@ def test_replicated_state_is_bitwise_identical_on_every_device(path):
     state = create_train_state(jax.random.key(0), model, ex, world, IMAGE_SHAPE, cfg.bn_mode)
     step = jax.jit(steps.make_train_step(model, ex, plan, world, cfg.bn_mode,
                                          grad_accumulation_steps=cfg.grad_accumulation_steps))
+    return step, state, world, cfg.bn_mode, cfg.shard_optimizer_state
+
+
+def _exchange_path_step(path):
+    import test_exchange_paths as paths  # the module pytest collects: its compiled steps
+    step, state = paths._built(EXCHANGE_PATHS[path])
+    world = paths._setup()[0]
+    assert world.world_size == 8 and GLOBAL_BATCH == 32  # its global batch
+    return step, state, world, paths.BN, path == "zero1"
+
+
+@pytest.mark.parametrize("path", list(CONFIG_PATHS) + list(EXCHANGE_PATHS))
+def test_replicated_state_is_bitwise_identical_on_every_device(path):
+    step, state, world, bn_mode, sharded_opt = (
+        _config_step(path) if path in CONFIG_PATHS else _exchange_path_step(path))
     finite = []
     for batch in _batches():
         state, m = step(state, jax.device_put(batch, world.sharded()))  # inf: past to_device's check
@@ -91,9 +108,9 @@ def test_replicated_state_is_bitwise_identical_on_every_device(path):
     # (ZeRO-1: its scalars; the moment shards are per device by design)
     for leaf in jax.tree_util.tree_leaves((state.params, state.step, state.skipped_steps)):
         assert leaf.sharding.is_fully_replicated
-    if cfg.bn_mode != "local":
+    if bn_mode != "local":
         assert all(x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(state.batch_stats))
-    if not cfg.shard_optimizer_state:
+    if not sharded_opt:
         assert all(x.sharding.is_fully_replicated for x in jax.tree_util.tree_leaves(state.opt_state))
     else:  # the all-gathered view of the sharded state: one global array per leaf, finite
         for x in jax.tree_util.tree_leaves(state.opt_state):

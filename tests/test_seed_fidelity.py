@@ -1,21 +1,30 @@
 """Seed details: metrics in the deep bucket, folded BN eval, fused 1/N, one eval reduction."""
+import functools
 import re
 
 import jax
 import numpy as np
 import optax
 
-from helpers import random_batch, setup, to_host
+from helpers import put_like, random_batch, setup, to_host
 from trjax import aot, comm, exchange, models, steps
 
 
-def _compiled_train(bn_mode="sync", world_spec="all", n=32):
+@functools.lru_cache(maxsize=None)
+def _compiled(bn_mode, world_spec="all", n=32):
+    """helpers.setup's state and its donating train step, compiled once for the module (the
+    start state is never handed to the step: each test runs a fresh copy)."""
     world, model, plan, tx, state = setup(world_spec, n, bn_mode)
     batch = random_batch(n, seed=7)
     step = aot.compile_step("train", steps.make_train_step(
         model, exchange.allreduce(tx, plan), plan, world, bn_mode),
         state, jax.device_put(batch, world.sharded()), donate_argnums=0)
-    return world, model, plan, state, batch, step
+    return world, model, plan, to_host(state), state, batch, step
+
+
+def _compiled_train(bn_mode="sync", world_spec="all", n=32):
+    world, model, plan, host0, like, batch, step = _compiled(bn_mode, world_spec, n)
+    return world, model, plan, put_like(host0, like), batch, step
 
 
 def test_packed_metrics_equal_host_metrics():

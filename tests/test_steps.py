@@ -1,23 +1,89 @@
-"""The compiled train step against a single-device reference on the whole batch."""
+"""The compiled train step against a single-device reference on the whole batch.
+
+ResNet-8 cut to one BasicBlock of 8 channels (stem conv + BN, the block's two convs and
+BNs, the residual, the head: every layer kind, a fraction of the full model's compile time)
+for the steps compared with the reference; the bucket kernel order on the full ResNet-8
+(its stages' convolution paths)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
-from helpers import (assert_within_reorder_rounding, max_rel, random_batch, reference_step, setup,
+from helpers import (assert_within_reorder_rounding, max_rel, put_like, random_batch, setup,
                      to_host)
-from trjax import aot, exchange, steps
+from trjax import aot, exchange, models, steps
 from trjax.plan import build_plan
 from trjax.state import check_replicas_identical
 
 
+SMALL = dict(stage_sizes=(1,), widths=(8,), stem_width=8)
+
+
+def _small_setup(world_spec, bn_mode, opt="sgd"):
+    """helpers.setup(world_spec, 32, bn_mode, opt=opt) for the SMALL ResNet-8."""
+    from trjax import optim
+    from trjax.state import create_train_state
+    from trjax.world import make_world
+    world = make_world(world_spec, 32)
+    model = models.create_model("resnet8", num_classes=10, bn_mode=bn_mode, axis_name="data",
+                                **SMALL)
+    plan = build_plan(model, (8, 8, 1))
+    tx = optim.make_optimizer(opt, 0.1, plan, weight_decay=1e-3)
+    state = create_train_state(jax.random.key(0), model, exchange.allreduce(tx, plan), world,
+                               (8, 8, 1), bn_mode)
+    return world, model, plan, tx, state
+
+
+_COMPILED = {}
+
+
+def _compiled(world_spec, bn_mode, opt="sgd", padding=True):
+    """``(world, model, plan, tx, host start state, start state, step)`` of _small_setup's
+    state and its train step (global batch 32, donating), compiled once for the module: the
+    start state is never handed to the step (each run gets a fresh copy, helpers.put_like)."""
+    key = (world_spec, bn_mode, opt, padding)
+    if key not in _COMPILED:
+        world, model, plan, tx, state = _small_setup(world_spec, bn_mode, opt=opt)
+        step = aot.compile_step("train", steps.make_train_step(
+            model, exchange.allreduce(tx, plan), plan, world, bn_mode, padding=padding),
+            state, jax.device_put(random_batch(32), world.sharded()), donate_argnums=0)
+        _COMPILED[key] = (world, model, plan, tx, to_host(state), state, step)
+    return _COMPILED[key]
+
+
+_REFERENCES = {}
+
+
+def _one_device_step(params, batch_stats, opt_state, tx, batch):
+    """helpers.reference_step for the SMALL ResNet-8: one plain single-device step on the
+    whole batch (flax's apply, local BN, no shard_map, no buckets)."""
+    model = models.create_model("resnet8", num_classes=10, bn_mode="local", axis_name=None,
+                                bn_momentum=0.9, **SMALL)
+
+    def loss_fn(p):
+        logits, new_vars = model.apply({"params": p, "batch_stats": batch_stats},
+                                       batch["image"], train=True, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+        return loss, new_vars["batch_stats"]
+
+    (loss, new_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, new_opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), new_bs, new_opt_state, loss, grads
+
+
+def _reference_step(params, batch_stats, opt_state, tx, batch):
+    """The one-device reference, compiled as one program, traced once per optimizer and
+    batch shape for the module."""
+    if id(tx) not in _REFERENCES:
+        _REFERENCES[id(tx)] = (tx, jax.jit(
+            lambda p, bs, o, b: _one_device_step(p, bs, o, tx, b)))
+    return _REFERENCES[id(tx)][1](params, batch_stats, opt_state, batch)
+
+
 def _run_one_step(world_spec, bn_mode, batch, opt="sgd", padding=True):
-    world, model, plan, tx, state = setup(world_spec, len(batch["label"]), bn_mode, opt=opt)
-    host0 = to_host(state)
-    step = aot.compile_step("train", steps.make_train_step(
-        model, exchange.allreduce(tx, plan), plan, world, bn_mode, padding=padding),
-        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
-    new_state, metrics = step(state, jax.device_put(batch, world.sharded()))
+    world, _, _, tx, host0, like, step = _compiled(world_spec, bn_mode, opt, padding)
+    new_state, metrics = step(put_like(host0, like), jax.device_put(batch, world.sharded()))
     return world, tx, host0, new_state, np.asarray(metrics)
 
 
@@ -25,8 +91,8 @@ def _run_one_step(world_spec, bn_mode, batch, opt="sgd", padding=True):
 def test_sync_bn_8_devices_equals_one_device_on_global_batch(opt):
     batch = random_batch(32)
     _, tx, s0, s1, metrics = _run_one_step("all", "sync", batch, opt)
-    p_ref, bs_ref, _, loss_ref, _ = reference_step("resnet8", s0.params, s0.batch_stats,
-                                                    s0.opt_state, tx, batch)
+    p_ref, bs_ref, _, loss_ref, _ = _reference_step(s0.params, s0.batch_stats, s0.opt_state,
+                                                     tx, batch)
     assert max_rel(to_host(s1.params), p_ref) <= 1e-5
     assert max_rel(to_host(s1.batch_stats), bs_ref) <= 1e-5
     assert metrics[3] == 32 and metrics[4] == 1.0
@@ -44,8 +110,8 @@ def test_step_without_padding_mask_equals_the_reference_and_the_masked_step(bn_m
     _, tx, s0, masked, m_masked = _run_one_step("all", bn_mode, batch)
     _, _, _, plain, m_plain = _run_one_step("all", bn_mode, batch, padding=False)
     if bn_mode == "sync":
-        p_ref, bs_ref, _, loss_ref, _ = reference_step("resnet8", s0.params, s0.batch_stats,
-                                                        s0.opt_state, tx, batch)
+        p_ref, bs_ref, _, loss_ref, _ = _reference_step(s0.params, s0.batch_stats, s0.opt_state,
+                                                     tx, batch)
         assert max_rel(to_host(plain.params), p_ref) <= 1e-5
         assert max_rel(to_host(plain.batch_stats), bs_ref) <= 1e-5
         assert abs(m_plain[0] / m_plain[3] - float(loss_ref)) <= 1e-5 * abs(float(loss_ref))
@@ -60,17 +126,18 @@ def test_step_without_padding_mask_equals_the_reference_and_the_masked_step(bn_m
 def test_applied_gradient_is_global_mean():
     """With plain SGD (no momentum history yet, no decay) the update is -lr * grad."""
     batch = random_batch(32, seed=3)
-    world, model, plan, _, state = setup("all", 32, "sync")
-    import optax
+    world, model, plan, _, host0, like, _ = _compiled("all", "sync")
+    state = put_like(host0, like)
     tx = optax.sgd(1.0)
-    state = state.replace(opt_state=jax.jit(tx.init, out_shardings=world.replicated())(state.params))
+    state = state.replace(
+        opt_state=jax.jit(tx.init, out_shardings=world.replicated())(state.params))
     s0 = to_host(state)
     step = aot.compile_step("train", steps.make_train_step(
         model, exchange.allreduce(tx, plan), plan, world, "sync"),
         state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     s1, _ = step(state, jax.device_put(batch, world.sharded()))
     applied = jax.tree_util.tree_map(lambda a, b: a - b, s0.params, to_host(s1.params))
-    *_, grads_ref = reference_step("resnet8", s0.params, s0.batch_stats, s0.opt_state, tx, batch)
+    *_, grads_ref = _reference_step(s0.params, s0.batch_stats, s0.opt_state, tx, batch)
     ratio = [np.sum(a * g) / np.sum(g * g) for a, g in zip(jax.tree_util.tree_leaves(applied),
                                                           jax.tree_util.tree_leaves(grads_ref))]
     np.testing.assert_allclose(ratio, 1.0, rtol=1e-4)  # not 8x, not 1/8x
@@ -91,10 +158,10 @@ def test_running_mode_stats_are_the_global_batch_statistics():
     """running = every replica's local per-channel (sum x, sum x^2, n) added over replicas,
     then the running update (unbiased n/(n-1) on the global n): NOT the equal-weight mean of
     the replicas' local running-stat updates (that misses the spread of the local means)."""
-    from trjax import models
     batch = random_batch(32, seed=2)
     _, tx, s0, s1, _ = _run_one_step("0-3", "running", batch)
-    local = models.create_model("resnet8", num_classes=10, bn_mode="local", axis_name=None)
+    local = models.create_model("resnet8", num_classes=10, bn_mode="local", axis_name=None,
+                                **SMALL)
     forward = jax.jit(lambda x, mask: local.apply(  # one program, not op by op
         {"params": s0.params, "batch_stats": s0.batch_stats}, x, train=True, mask=mask,
         mutable=["batch_stats", "bn_sums"])[1])
@@ -117,8 +184,8 @@ def test_running_mode_stats_are_the_global_batch_statistics():
     assert max_rel(to_host(s1.batch_stats), walk(s0.batch_stats, total)) <= 1e-5
     equal_weight = jax.tree_util.tree_map(
         lambda *xs: np.mean(np.stack(xs), 0),
-        *[reference_step("resnet8", s0.params, s0.batch_stats, s0.opt_state, tx,
-                         {k: v[8 * r:8 * r + 8] for k, v in batch.items()})[1] for r in range(4)])
+        *[_reference_step(s0.params, s0.batch_stats, s0.opt_state, tx,
+                          {k: v[8 * r:8 * r + 8] for k, v in batch.items()})[1] for r in range(4)])
     assert max_rel(to_host(s1.batch_stats), equal_weight) > 1e-4  # the seed's rule differs
 
 
@@ -130,7 +197,7 @@ def test_local_mode_replicas_diverge():
 
 
 def test_replicas_start_identical_and_from_rank0():
-    world, model, plan, tx, state = setup("all", 32, "sync")
+    world, model, plan, tx, _, state, _ = _compiled("all", "sync")
     check_replicas_identical(state.params)
     # rank 0's init key is fold_in(key, 0): the broadcast must deliver exactly that init
     init = jax.jit(lambda k: model.init(k, jnp.zeros((1, 8, 8, 1)), train=False))  # one program
@@ -144,10 +211,8 @@ def test_replicas_start_identical_and_from_rank0():
 
 def test_compiled_step_rejects_other_shapes():
     batch = random_batch(32)
-    world, model, plan, tx, state = setup("all", 32, "sync")
-    step = aot.compile_step("train", steps.make_train_step(
-        model, exchange.allreduce(tx, plan), plan, world, "sync"),
-        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    world, _, _, _, host0, like, step = _compiled("all", "sync")  # the module's step
+    state, calls = put_like(host0, like), step.calls
     small = jax.device_put(random_batch(16), world.sharded())
     with pytest.raises(TypeError, match=r"\['image'\] is \(16, 8, 8, 1\) float32 but the step was compiled for \(32, 8, 8, 1\)"):
         step(state, small)
@@ -155,19 +220,18 @@ def test_compiled_step_rejects_other_shapes():
     bad["label"] = bad["label"].astype(jnp.float32)
     with pytest.raises(TypeError, match=r"\['label'\] is \(32,\) float32 .* \(32,\) int32"):
         step(state, bad)
-    assert step.calls == 0
+    assert step.calls == calls  # refused before running
 
 
 def test_compiled_step_rejects_other_sharding():
     batch = random_batch(32)
-    world, model, plan, tx, state = setup("all", 32, "sync")
-    step = aot.compile_step("train", steps.make_train_step(
-        model, exchange.allreduce(tx, plan), plan, world, "sync"),
-        state, jax.device_put(batch, world.sharded()), donate_argnums=0)
+    world, _, _, _, host0, like, step = _compiled("all", "sync")  # the module's step
+    state, calls = put_like(host0, like), step.calls
     replicated = jax.device_put(batch, world.replicated())
     with pytest.raises(TypeError, match=r"argument \[1\]\['image'\] has sharding .* but the step "
                                         r"was compiled for"):
         step(state, replicated)
+    assert step.calls == calls
 
 
 def _deep_bucket_producers(hlo: str) -> list[str]:
@@ -217,7 +281,7 @@ def test_loss_scaled_step_applies_the_unscaled_gradient():
     ``growth_interval`` good steps."""
     from trjax.state import create_train_state
     batch = random_batch(32, seed=4)
-    world, model, plan, tx, _ = setup("all", 32, "sync")
+    world, model, plan, tx, _, _, _ = _compiled("all", "sync")
     ex = exchange.allreduce(tx, plan)
     state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), "sync",
                                loss_scale=1024.0)
@@ -226,8 +290,8 @@ def test_loss_scaled_step_applies_the_unscaled_gradient():
         model, ex, plan, world, "sync", dynamic_loss_scale=True, growth_interval=1),
         state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     s1, m = step(state, jax.device_put(batch, world.sharded()))
-    p_ref, bs_ref, _, loss_ref, _ = reference_step("resnet8", s0.params, s0.batch_stats,
-                                                    s0.opt_state, tx, batch)
+    p_ref, bs_ref, _, loss_ref, _ = _reference_step(s0.params, s0.batch_stats, s0.opt_state,
+                                                     tx, batch)
     assert max_rel(to_host(s1.params), p_ref) <= 1e-5
     assert max_rel(to_host(s1.batch_stats), bs_ref) <= 1e-5
     assert float(s1.loss_scale) == 2048.0 and int(s1.skipped_steps) == 0
