@@ -91,12 +91,21 @@ def max_rel(a, b):
     return out
 
 
-def reference_step(model_name, params, batch_stats, opt_state, tx, batch, bn_momentum=0.9):
-    """One plain single-device step on the whole batch (no shard_map, no buckets),
-    compiled as one program: run op by op, each new batch shape compiled every primitive of
+def reference_step(model_name, params, batch_stats, opt_state, tx, batch, bn_momentum=0.9,
+                   **model_kwargs):
+    """One plain single-device step on the whole batch (no shard_map, no buckets)."""
+    return reference_step_fn(model_name, tx, bn_momentum, **model_kwargs)(
+        params, batch_stats, opt_state, batch)
+
+
+def reference_step_fn(model_name, tx, bn_momentum=0.9, **model_kwargs):
+    """:func:`reference_step` as a jitted ``(params, batch_stats, opt_state, batch) ->
+    (params, batch_stats, opt_state, loss, grads)`` to call again (traced once per batch
+    shape); ``model_kwargs`` go to ``models.create_model`` (e.g. a smaller ResNet-8).
+    Compiled as one program: run op by op, each new batch shape compiled every primitive of
     the forward and backward pass on its own (5-9 s on 2 cores, against 1.5 s jitted)."""
     model = models.create_model(model_name, num_classes=10, bn_mode="local", axis_name=None,
-                                bn_momentum=bn_momentum)
+                                bn_momentum=bn_momentum, **model_kwargs)
 
     def step(params, batch_stats, opt_state, batch):
         def loss_fn(p):
@@ -108,7 +117,7 @@ def reference_step(model_name, params, batch_stats, opt_state, tx, batch, bn_mom
         (loss, new_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
         updates, new_opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), new_bs, new_opt_state, loss, grads
-    return jax.jit(step)(params, batch_stats, opt_state, batch)
+    return jax.jit(step)
 
 
 def reorder_rounding_bound(start, rows: int):

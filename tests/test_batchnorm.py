@@ -12,11 +12,10 @@ against the numpy formula, running variances near epsilon included.
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import max_rel, random_batch, setup, to_host
+from helpers import max_rel, random_batch, reference_step_fn, setup, to_host
 from trjax import aot, compression, exchange, models, optim, steps
 from trjax.batchnorm import BatchNorm, fold_batchnorm, fold_batchnorm_tree
 from trjax.plan import build_plan
@@ -152,23 +151,6 @@ def _uneven_step(bn_mode, k=1, kind="allreduce"):
 _REFERENCES = {}
 
 
-def _reference_step(params, batch_stats, opt_state, tx, batch):
-    """helpers.reference_step for the SMALL ResNet-8: one plain single-device step on the
-    whole batch (flax's apply, local BN, no shard_map, no buckets, no mask)."""
-    model = models.create_model("resnet8", num_classes=10, bn_mode="local", axis_name=None,
-                                bn_momentum=0.9, **SMALL)
-
-    def loss_fn(p):
-        logits, new_vars = model.apply({"params": p, "batch_stats": batch_stats},
-                                       batch["image"], train=True, mutable=["batch_stats"])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        return loss, new_vars["batch_stats"]
-
-    (loss, new_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_bs, new_opt_state, loss, grads
-
-
 def _reference(s0, tx, batch):
     """The reference step on the real rows, compiled as one program and computed once
     per start state (every case here starts from the same initialisation and optimizer)."""
@@ -176,7 +158,7 @@ def _reference(s0, tx, batch):
         (s0.params, s0.batch_stats, batch)))
     if key not in _REFERENCES:
         real = {k: v[MASK > 0] for k, v in batch.items()}
-        step = jax.jit(lambda p, bs, o, b: _reference_step(p, bs, o, tx, b))
+        step = reference_step_fn("resnet8", tx, **SMALL)
         _REFERENCES[key] = to_host(step(s0.params, s0.batch_stats, tx.init(s0.params), real))
     return _REFERENCES[key]
 

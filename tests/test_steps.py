@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from helpers import (assert_within_reorder_rounding, max_rel, put_like, random_batch, setup,
-                     to_host)
+                     reference_step_fn, to_host)
 from trjax import aot, exchange, models, steps
 from trjax.plan import build_plan
 from trjax.state import check_replicas_identical
@@ -55,29 +55,11 @@ def _compiled(world_spec, bn_mode, opt="sgd", padding=True):
 _REFERENCES = {}
 
 
-def _one_device_step(params, batch_stats, opt_state, tx, batch):
-    """helpers.reference_step for the SMALL ResNet-8: one plain single-device step on the
-    whole batch (flax's apply, local BN, no shard_map, no buckets)."""
-    model = models.create_model("resnet8", num_classes=10, bn_mode="local", axis_name=None,
-                                bn_momentum=0.9, **SMALL)
-
-    def loss_fn(p):
-        logits, new_vars = model.apply({"params": p, "batch_stats": batch_stats},
-                                       batch["image"], train=True, mutable=["batch_stats"])
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-        return loss, new_vars["batch_stats"]
-
-    (loss, new_bs), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    updates, new_opt_state = tx.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), new_bs, new_opt_state, loss, grads
-
-
 def _reference_step(params, batch_stats, opt_state, tx, batch):
     """The one-device reference, compiled as one program, traced once per optimizer and
     batch shape for the module."""
     if id(tx) not in _REFERENCES:
-        _REFERENCES[id(tx)] = (tx, jax.jit(
-            lambda p, bs, o, b: _one_device_step(p, bs, o, tx, b)))
+        _REFERENCES[id(tx)] = (tx, reference_step_fn("resnet8", tx, **SMALL))
     return _REFERENCES[id(tx)][1](params, batch_stats, opt_state, batch)
 
 
