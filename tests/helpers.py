@@ -218,6 +218,23 @@ def assert_each_step_within_reorder_rounding(ref_states, step, like, batches, ro
     return worst, metrics
 
 
+def run_at_once(commands, cwd, env, timeout: float):
+    """Starts every command of ``commands`` at once (processes side by side) and waits for
+    all; ``[subprocess.CompletedProcess]`` with text stdout and stderr, in order. A process
+    still running when another's wait fails is killed."""
+    import subprocess
+    procs = [subprocess.Popen(c, cwd=cwd, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for c in commands]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return [subprocess.CompletedProcess(p.args, p.returncode, o, e)
+            for p, (o, e) in zip(procs, outs)]
+
+
 def tensorboard_scalars(folder):
     """``[(tag, step, value)]`` of every scalar in the event files under ``folder``
     (recursively, files in sorted order), read as TFRecords (uint64 length, uint32 crc,

@@ -214,17 +214,8 @@ def _command(*args, cwd=ROOT):
 def _commands(*argvs, cwd=ROOT):
     """``python -m trjax.train`` with each of ``argvs``, the processes started at once."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    procs = [subprocess.Popen([sys.executable, "-m", "trjax.train", *a], cwd=cwd, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for a in argvs]
-    try:
-        outs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return [subprocess.CompletedProcess(p.args, p.returncode, o, e)
-            for p, (o, e) in zip(procs, outs)]
+    from helpers import run_at_once
+    return run_at_once([[sys.executable, "-m", "trjax.train", *a] for a in argvs], cwd, env, 300)
 
 
 @pytest.mark.job

@@ -88,17 +88,12 @@ def test_config_errors_are_clear(tmp_path):
     leaves nothing behind."""
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    procs = [subprocess.Popen([PY, "scripts/train.py", "--config", "configs/default.py",
-                               "--workdir", str(tmp_path / str(i)), override], cwd=ROOT, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i, (override, _) in enumerate(CONFIG_ERRORS)]
-    try:
-        outs = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for i, ((override, needle), p, (_, stderr)) in enumerate(zip(CONFIG_ERRORS, procs, outs)):
+    from helpers import run_at_once
+    done = run_at_once([[PY, "scripts/train.py", "--config", "configs/default.py", "--workdir",
+                         str(tmp_path / str(i)), override]
+                        for i, (override, _) in enumerate(CONFIG_ERRORS)], ROOT, env, 120)
+    for i, ((override, needle), p) in enumerate(zip(CONFIG_ERRORS, done)):
+        stderr = p.stderr
         assert p.returncode != 0, override
         assert needle in stderr, (override, stderr[-2000:])
         assert "Traceback" not in stderr, override
