@@ -35,7 +35,7 @@ def main(argv):
     tr = setup(config)
     w, state = tr.world, tr.state
     unfolded = aot.compile_step("eval_unfolded", steps.make_eval_step(
-        tr.model, w, config.bn_mode, folded=False), state.params, state.batch_stats,
+        tr.layout, folded=False), state.params, state.batch_stats,
         *tr.eval_step.signature[2:])
     batches = [input_pipeline.to_device(b, w.sharded(), tr.data.num_classes) for b in
                input_pipeline.iterate_batches(tr.data.val, config.eval_batch_size, shuffle=False)]

@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import optax
 
-from trjax import exchange, models, optim
+from trjax import exchange, models, optim, parallel
 from trjax.plan import build_plan
 from trjax.state import create_train_state
 from trjax.world import make_world
@@ -36,8 +36,9 @@ def setup(world_spec="all", global_batch=32, bn_mode="sync", lr=0.1, opt="sgd", 
                                 conv_lowering=conv_lowering)
     plan = build_plan(model, IMAGE_SHAPE)
     tx = optim.make_optimizer(opt, lr, plan, weight_decay=1e-3)
-    state = create_train_state(jax.random.key(0), model, exchange.allreduce(tx, plan), world,
-                               IMAGE_SHAPE, bn_mode)
+    state = create_train_state(jax.random.key(0),
+                               parallel.data_parallel(model, world, IMAGE_SHAPE, bn_mode),
+                               exchange.allreduce(tx, plan))
     return world, model, plan, tx, state
 
 

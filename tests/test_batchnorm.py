@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from helpers import max_rel, random_batch, reference_step_fn, setup, to_host
-from trjax import aot, compression, exchange, models, optim, steps
+from helpers import IMAGE_SHAPE, max_rel, random_batch, reference_step_fn, setup, to_host
+from trjax import aot, compression, exchange, models, optim, parallel, steps
 from trjax.batchnorm import BatchNorm, fold_batchnorm, fold_batchnorm_tree
+from trjax.objective import StepOptions
 from trjax.plan import build_plan
 from trjax.state import create_train_state
 from trjax.world import make_world
@@ -39,9 +40,11 @@ def _bn_one_step(mode, x, mask):
         own = jax.tree_util.tree_map(lambda v: v[0], bs) if mode == "local" else bs
         y, new = bn.apply({"params": params, "batch_stats": own}, x, train=True, mask=mask,
                           mutable=["batch_stats", "bn_sums"])
-        stats, _ = steps.sync_batch_stats(own, new["bn_sums"], mode, MOM,
-                                          jnp.zeros((1,), jnp.float32), jnp.array(True),
-                                          "data")
+        stats, _ = steps.sync_batch_stats(own, new["bn_sums"],
+                                          "data" if mode == "running" else None, MOM,
+                                          jnp.zeros((1,), jnp.float32), jnp.array(True))
+        if mode == "local":
+            stats = jax.tree_util.tree_map(lambda x: x[None], stats)
         return y, stats
 
     fn = jax.jit(jax.shard_map(local, mesh=world.mesh,
@@ -138,11 +141,12 @@ def _uneven_step(bn_mode, k=1, kind="allreduce"):
         ex = exchange.compressed(tx, plan, compression.none())
     else:
         ex = exchange.allreduce(tx, plan)
-    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), bn_mode)
+    layout = parallel.data_parallel(model, world, (8, 8, 1), bn_mode)
+    state = create_train_state(jax.random.key(0), layout, ex)
     s0 = to_host(state)
     sharded = jax.device_put(batch, world.sharded())
     step = aot.compile_step("train", steps.make_train_step(
-        model, ex, plan, world, bn_mode, grad_accumulation_steps=k), state, sharded,
+        layout, ex, plan, StepOptions(grad_accumulation_steps=k)), state, sharded,
         donate_argnums=0)
     s1, m = step(state, sharded)
     return to_host(s1), np.asarray(m), _reference(s0, tx, batch), batch
@@ -228,8 +232,11 @@ def _prec_fn(mode):
                 ys.append(y)
                 dxs.append(vjp(gs[j])[0])
                 total = sums if total is None else jax.tree_util.tree_map(jnp.add, total, sums)
-            stats, _ = steps.sync_batch_stats(own, total, mode, 0.0, jnp.zeros((1,), jnp.float32),
-                                              jnp.array(True), axis)
+            stats, _ = steps.sync_batch_stats(own, total, axis if mode == "running" else None,
+                                              0.0, jnp.zeros((1,), jnp.float32),
+                                              jnp.array(True))
+            if mode == "local":
+                stats = jax.tree_util.tree_map(lambda x: x[None], stats)
             return jnp.concatenate(ys), jnp.concatenate(dxs), stats
 
         fn = jax.jit(jax.shard_map(local, mesh=world.mesh,
@@ -484,7 +491,8 @@ def test_fold_bn_and_eval_step_against_numpy(bn_mode):
     bs = jax.tree_util.tree_map_with_path(crafted, to_host(state.batch_stats))
     state = state.replace(batch_stats=jax.device_put(
         bs, jax.tree_util.tree_map(lambda a: a.sharding, state.batch_stats)))
-    folded = to_host(jax.jit(steps.make_fold_bn(world, bn_mode))(state))
+    layout = parallel.data_parallel(model, world, IMAGE_SHAPE, bn_mode)
+    folded = to_host(jax.jit(steps.make_fold_bn(layout))(state))
     params = to_host(state.params)
 
     def walk(p, s, f):
@@ -500,9 +508,9 @@ def test_fold_bn_and_eval_step_against_numpy(bn_mode):
 
     batch = jax.device_put(random_batch(8, seed=9), world.sharded())
     acc0 = jax.device_put(np.zeros((2, 4), np.float32), world.sharded())
-    fold_acc = np.asarray(jax.jit(steps.make_eval_step(model, world, bn_mode, folded=True))(
+    fold_acc = np.asarray(jax.jit(steps.make_eval_step(layout, folded=True))(
         state.params, folded, batch, acc0))
-    raw_acc = np.asarray(jax.jit(steps.make_eval_step(model, world, bn_mode, folded=False))(
+    raw_acc = np.asarray(jax.jit(steps.make_eval_step(layout, folded=False))(
         state.params, state.batch_stats, batch, acc0))
     assert np.all(np.isfinite(fold_acc))
     np.testing.assert_array_equal(fold_acc[:, 1:], raw_acc[:, 1:])

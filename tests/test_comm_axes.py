@@ -16,7 +16,8 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from trjax import comm, models, pipeline
+from trjax import comm, models
+from trjax.parallel import pipeline
 from trjax.world import make_world
 
 ROWS, COLS = 2, 8  # each device's local block: f32[2, 8] = 64 bytes

@@ -196,7 +196,7 @@ def test_train_state_is_one_program_with_rank0_bits(bn_mode, shard):
     compiled at a lower XLA:CPU optimisation level, and its parameters are bit for bit
     model.init on rank 0's key compiled at jaxlib's default level; a key and the same
     int seed give the same state."""
-    from trjax import exchange, models, optim
+    from trjax import exchange, models, optim, parallel
     from trjax.plan import build_plan
     from trjax.state import create_train_state, state_specs
     from trjax.world import make_world
@@ -208,8 +208,9 @@ def test_train_state_is_one_program_with_rank0_bits(bn_mode, shard):
     ex = (exchange.shard_optimizer_state(plan, world.world_size,
                                          lambda mask: optim.make_optimizer("sgd", 0.1, mask=mask))
           if shard else exchange.allreduce(optim.make_optimizer("sgd", 0.1, plan), plan))
+    layout = parallel.data_parallel(model, world, (8, 8, 1), bn_mode)
     with compilation.CompileLog() as log:
-        state = create_train_state(7, model, ex, world, (8, 8, 1), bn_mode, loss_scale=2.0)
+        state = create_train_state(7, layout, ex, loss_scale=2.0)
     assert [compilation.program_id(b.program) for b in log.builds] == ["jit_create"]
 
     rank0 = jax.random.fold_in(jax.random.key(7), 0)
@@ -228,14 +229,13 @@ def test_train_state_is_one_program_with_rank0_bits(bn_mode, shard):
     def laid_out(spec, sub):  # every leaf as state_specs says (a pytree prefix)
         for x in jax.tree_util.tree_leaves(sub):
             assert x.sharding.is_equivalent_to(jax.sharding.NamedSharding(world.mesh, spec), x.ndim)
-    jax.tree_util.tree_map(laid_out, state_specs(bn_mode, world.axis_name, ex), state,
+    jax.tree_util.tree_map(laid_out, state_specs(layout, ex), state,
                            is_leaf=lambda s: isinstance(s, P))
     assert all(not np.any(np.asarray(x)) for x in jax.tree_util.tree_leaves(state.opt_state)
                if x.ndim)  # momentum starts at zero
     assert (int(state.step), int(state.skipped_steps), int(state.good_steps),
             float(state.loss_scale)) == (0, 0, 0, 2.0)
-    again = create_train_state(jax.random.key(7), model, ex, world, (8, 8, 1), bn_mode,
-                               loss_scale=2.0)
+    again = create_train_state(jax.random.key(7), layout, ex, loss_scale=2.0)
     for a, b in zip(jax.tree_util.tree_leaves(again), jax.tree_util.tree_leaves(state),
                     strict=True):
         assert a.sharding == b.sharding and np.asarray(a).tobytes() == np.asarray(b).tobytes()

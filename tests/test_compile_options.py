@@ -17,7 +17,7 @@ def _setup():
     to one BasicBlock of 8 channels: every layer kind (convs, BatchNorm, the residual, the
     head) at a fraction of the full model's compile time, which these tests pay under two
     option sets, -O3 included."""
-    from trjax import exchange, models, optim
+    from trjax import exchange, models, optim, parallel
     from trjax.plan import build_plan
     from trjax.state import create_train_state
     from trjax.world import make_world
@@ -26,8 +26,9 @@ def _setup():
                                 stem_width=8, bn_mode="running", axis_name="data")
     plan = build_plan(model, (8, 8, 1))
     tx = optim.make_optimizer("sgd", 0.1, plan, weight_decay=1e-3)
-    state = create_train_state(jax.random.key(0), model, exchange.allreduce(tx, plan), world,
-                               (8, 8, 1), "running")
+    state = create_train_state(jax.random.key(0),
+                               parallel.data_parallel(model, world, (8, 8, 1), "running"),
+                               exchange.allreduce(tx, plan))
     return world, model, plan, tx, state
 
 
@@ -36,10 +37,11 @@ def test_cpu_steps_compile_with_region_analysis_same_bits_fewer_copies():
     analysis drops the copies XLA made of momenta and kernels before updating them in the
     donated state (88 -> 22 per device-step in the main job), and changes no bit."""
     from helpers import random_batch
-    from trjax import exchange, steps
+    from trjax import exchange, parallel, steps
 
     world, model, plan, tx, state = _setup()
-    fn = steps.make_train_step(model, exchange.allreduce(tx, plan), plan, world, "running")
+    fn = steps.make_train_step(parallel.data_parallel(model, world, (8, 8, 1), "running"),
+                               exchange.allreduce(tx, plan), plan)
     batch = jax.device_put(random_batch(16), world.sharded())
     assert co.step_options((state, batch)) == co.STEP_OPTIONS
     ours = aot.compile_step("train", fn, state, batch, donate_argnums=0)
@@ -65,7 +67,7 @@ def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
     here one block of it),
     and an evaluation of the same state gives the same counts and loss sum to 1e-6."""
     from helpers import assert_within_reorder_rounding, random_batch
-    from trjax import exchange, steps
+    from trjax import exchange, parallel, steps
     from trjax.metrics import METRICS
 
     defaults = {"xla_backend_optimization_level": 3, "xla_cpu_use_fusion_emitters": True}
@@ -75,15 +77,16 @@ def test_cpu_compiler_options_change_no_more_than_rounding(monkeypatch):
 
     def run():
         world, model, plan, tx, state = _setup()
+        layout = parallel.data_parallel(model, world, (8, 8, 1), "running")
         first = host(state)
         batch = jax.device_put(random_batch(16), world.sharded())
         train = aot.compile_step("train", steps.make_train_step(
-            model, exchange.allreduce(tx, plan), plan, world, "running"), state, batch,
+            layout, exchange.allreduce(tx, plan), plan), state, batch,
             donate_argnums=0)
         state, _ = train(state, batch)
-        fold = aot.compile_step("fold", steps.make_fold_bn(world, "running"), state)
+        fold = aot.compile_step("fold", steps.make_fold_bn(layout), state)
         acc = jax.device_put(np.zeros((2, len(METRICS)), np.float32), world.sharded())
-        evaluate = aot.compile_step("eval", steps.make_eval_step(model, world, "running"),
+        evaluate = aot.compile_step("eval", steps.make_eval_step(layout),
                                     state.params, fold(state), batch, acc, donate_argnums=3)
         return first, state, lambda s: np.asarray(evaluate(s.params, fold(s), batch, acc.copy()))
 

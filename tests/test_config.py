@@ -82,6 +82,7 @@ def test_keys_outside_the_programs_leave_the_lowered_train_step_unchanged():
     import jax
     from helpers import small_config
     from trjax import steps
+    from trjax.objective import StepOptions
     from trjax.state import train_state_program
     from trjax.train import trainer
 
@@ -101,15 +102,14 @@ def test_keys_outside_the_programs_leave_the_lowered_train_step_unchanged():
 
     def lowered(cfg):
         tr = trainer.prepare(cfg)
-        init = train_state_program(cfg.seed, tr.model, tr.exchange, tr.world,
-                                   tr.data.image_shape, cfg.bn_mode)
+        init = train_state_program(cfg.seed, tr.layout, tr.exchange)
         n = tr.world.global_batch_size
         batch = {"image": jax.ShapeDtypeStruct((n,) + tr.data.image_shape, "uint8",
                                                sharding=tr.world.sharded()),
                  "label": jax.ShapeDtypeStruct((n,), "int32", sharding=tr.world.sharded()),
                  "mask": jax.ShapeDtypeStruct((n,), "float32", sharding=tr.world.sharded())}
-        step = steps.make_train_step(tr.model, tr.exchange, tr.plan, tr.world, cfg.bn_mode,
-                                     padding=not tr.full_batches)
+        step = steps.make_train_step(tr.layout, tr.exchange, tr.plan,
+                                     StepOptions(padding=not tr.full_batches))
         return jax.jit(step, donate_argnums=0).lower(init.abstract, batch).as_text()
 
     assert lowered(small_config()) == lowered(other)

@@ -6,11 +6,11 @@ import numpy as np
 import optax
 import pytest
 
-from helpers import (assert_each_step_within_reorder_rounding, max_rel, put_like, random_batch,
-                     setup, skip_train_step_compile, small_config, to_host, trainer_batch,
-                     trainer_states)
+from helpers import (IMAGE_SHAPE, assert_each_step_within_reorder_rounding, max_rel, put_like,
+                     random_batch, setup, skip_train_step_compile, small_config, to_host,
+                     trainer_batch, trainer_states)
 from trjax.data import input_pipeline as ip
-from trjax import aot, exchange, optim, steps
+from trjax import aot, exchange, optim, parallel, steps
 from trjax.precision import update_loss_scale
 from trjax.train import evaluate_pass, setup as setup_trainer, train_and_evaluate
 
@@ -85,7 +85,8 @@ def _running_step():
     never handed to the step (each test runs a fresh copy, helpers.put_like)."""
     world, model, plan, tx, state = setup("all", 32, "running")
     step = aot.compile_step("train", steps.make_train_step(
-        model, exchange.allreduce(tx, plan), plan, world, "running"),
+        parallel.data_parallel(model, world, IMAGE_SHAPE, "running"),
+        exchange.allreduce(tx, plan), plan),
         state, jax.device_put(random_batch(32), world.sharded()),
         donate_argnums=0)
     return world, to_host(state), state, step

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from helpers import max_rel, random_batch, small_config, to_host
-from trjax import aot, comm, compression, exchange, models, optim, steps
+from trjax import aot, comm, compression, exchange, models, optim, parallel, steps
+from trjax.objective import StepOptions
 from trjax.plan import build_plan
 from trjax.state import create_train_state
 from trjax.world import make_world
@@ -96,11 +97,11 @@ def test_accumulation_equals_twice_the_replicas():
     out = {}
     for spec, k in (("8", 1), ("4", 2)):
         world, model, plan, tx = _small_setup(spec)
-        state = create_train_state(jax.random.key(0), model, exchange.allreduce(tx, plan), world,
-                                   (8, 8, 1), "running")
+        layout = parallel.data_parallel(model, world, (8, 8, 1), "running")
+        state = create_train_state(jax.random.key(0), layout, exchange.allreduce(tx, plan))
         step = aot.compile_step("train", steps.make_train_step(
-            model, exchange.allreduce(tx, plan), plan, world, "running",
-            grad_accumulation_steps=k),
+            layout, exchange.allreduce(tx, plan), plan,
+            StepOptions(grad_accumulation_steps=k)),
             state, jax.device_put(batch, world.sharded()), donate_argnums=0)
         new, m = step(state, jax.device_put(batch, world.sharded()))
         out[k] = (to_host(new), np.asarray(m), comm.collectives_in_hlo(step.hlo_text()))
@@ -127,8 +128,9 @@ def test_shard_optimizer_state_equals_replicated_optimizer_and_shards_it():
                                                     weight_decay=wd, momentum=0.9)
         ex = exchange.shard_optimizer_state(plan, world.world_size, make_tx) if sharded else \
             exchange.allreduce(make_tx(None), plan)
-        st = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), "running")
-        step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, "running"),
+        layout = parallel.data_parallel(model, world, (8, 8, 1), "running")
+        st = create_train_state(jax.random.key(0), layout, ex)
+        step = aot.compile_step("train", steps.make_train_step(layout, ex, plan),
                                 st, jax.device_put(batch, world.sharded()), donate_argnums=0)
         start = to_host(st.params)
         for i in range(3):  # momentum history matters

@@ -22,8 +22,9 @@ import numpy as np
 import pytest
 
 from helpers import max_rel, random_batch, to_host
-from trjax import aot, comm, compression, exchange, models, optim, steps
+from trjax import aot, comm, compression, exchange, models, optim, parallel, steps
 from trjax.metrics import METRICS
+from trjax.objective import StepOptions
 from trjax.plan import build_plan, layer_matrices, shard_layout
 from trjax.state import create_train_state
 from trjax.world import make_world
@@ -72,9 +73,10 @@ def _built(path, start_step=0, policy="two"):
     world, model, _ = _setup()
     plan = _plan(policy)
     ex = _exchange(path, start_step, policy)
-    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), BN)
+    layout = parallel.data_parallel(model, world, (8, 8, 1), BN)
+    state = create_train_state(jax.random.key(0), layout, ex)
     step = aot.compile_step("train", steps.make_train_step(
-        model, ex, plan, world, BN, dynamic_loss_scale=True), state, _batch(0))
+        layout, ex, plan, StepOptions(dynamic_loss_scale=True)), state, _batch(0))
     return step, state
 
 

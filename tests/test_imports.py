@@ -3,9 +3,13 @@ rule between packages that ``trjax/__init__.py`` states:
 
 * ``trjax.data`` and ``trjax.cpu`` import nothing else of trjax;
 * the design modules at the top never import ``trjax.data`` or ``trjax.train``;
-* nothing outside ``trjax.train`` imports ``trjax.train``.
+* nothing outside ``trjax.train`` imports ``trjax.train``;
+* ``trjax.parallel`` (the layouts) imports the design modules below the step, never
+  ``trjax.steps``, ``trjax.data`` or ``trjax.train``; only ``trjax.train`` imports it
+  (the steps, the state, the plan, the exchange and the models read a layout's fields).
 """
 import ast
+import re
 import os
 import subprocess
 import sys
@@ -48,9 +52,10 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def package_of(module: str) -> str:
-    """``"data"``, ``"cpu"``, ``"train"`` or ``"design"`` (a top-level module)."""
+    """``"data"``, ``"cpu"``, ``"train"``, ``"parallel"`` or ``"design"`` (a top-level module)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in ("data", "cpu", "train")) \
+    packages = ("data", "cpu", "train", "parallel")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in packages) \
         else "design"
 
 
@@ -89,6 +94,12 @@ def rule_violations(graph: dict[str, set[str]]) -> list[str]:
                 bad.append(f"{m} (a design module) imports {d}")
             if dpkg == "train" and pkg != "train":
                 bad.append(f"{m} imports {d} (only trjax.train imports trjax.train)")
+            if dpkg == "parallel" and pkg not in ("parallel", "train"):
+                bad.append(f"{m} imports {d} (only trjax.train builds layouts; the design "
+                           "reads their fields)")
+            if pkg == "parallel" and (d == "trjax.steps" or dpkg in ("data", "train")):
+                bad.append(f"{m} (a layout) imports {d}: the step calls the layout, not the "
+                           "other way round")
     return bad
 
 
@@ -103,6 +114,11 @@ def test_the_rule_checker_finds_each_kind_of_violation():
              "trjax.train.loop": {"trjax.steps", "trjax.data.prefetch", "trjax.cpu.host"}}
     # data -> design; design -> data; design -> train (two rules at once)
     assert len(rule_violations(graph)) == 4
+    layouts = {"trjax.parallel.pipeline": {"trjax.steps", "trjax.models"},
+               "trjax.state": {"trjax.parallel.layout"},
+               "trjax.train.trainer": {"trjax.parallel"}}
+    # the pipeline above the step; the state building a layout; the trainer may
+    assert len(rule_violations(layouts)) == 2
 
 
 def test_the_graph_sees_every_package():
@@ -111,6 +127,7 @@ def test_the_graph_sees_every_package():
             "trjax.train.loop", "trjax.train.config"} <= set(graph)
     assert "trjax.data.datasets" in graph["trjax.data.input_pipeline"]
     assert "trjax.steps" in graph["trjax.train.trainer"]
+    assert "trjax.parallel.layout" in graph["trjax.parallel.pipeline"]
 
 
 def test_no_import_cycle_between_trjax_modules():
@@ -127,3 +144,20 @@ def test_importing_the_models_loads_no_data_pipeline_and_no_pillow():
             "assert 'PIL' not in sys.modules, 'PIL'; "
             "assert not [m for m in sys.modules if m.startswith(('trjax.data', 'trjax.train'))]")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=os.path.join(ROOT, ".."))
+
+
+STRATEGY = re.compile(r'layout is (not )?None|tr\.stages|"stage" in|"model" in|bn_mode == "local"')
+
+
+def test_only_the_layouts_decide_what_a_mesh_means():
+    """What a mesh axis means is decided in ``trjax.parallel`` only; one library
+    train-step factory (``steps.make_train_step``; the trainer's wrapper in ``train/``)."""
+    found, factories = [], []
+    for name, path in module_files().items():
+        for i, line in enumerate(open(path), 1):
+            if STRATEGY.search(line) and not name.startswith("trjax.parallel"):
+                found.append(f"{name}:{i}: {line.strip()}")
+            if line.startswith("def make_train_step"):
+                factories.append(name)
+    assert found == []
+    assert sorted(factories) == ["trjax.steps", "trjax.train.trainer"]

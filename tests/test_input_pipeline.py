@@ -320,13 +320,14 @@ def test_normalize_matches_numpy_and_the_model_applies_it():
     assert models.normalize(x, mean, std, jnp.bfloat16).dtype == jnp.bfloat16
     np.testing.assert_array_equal(models.normalize(x, None, None), x.astype(np.float32))
     # the evaluation step standardises uint8 before the model: == the model on the floats
-    from trjax import steps
+    from trjax import parallel, steps
     mf = models.create_model("resnet8", num_classes=10, bn_mode="local")
     net = models.wrap(mf, image_shape=(6, 6, 3), num_classes=10, mean=mean, std=std, check=False)
     variables = jax.jit(lambda k: mf.init(k, jnp.zeros((1, 6, 6, 3)), train=False))(
         jax.random.key(0))  # each program once, not op by op
     w1 = make_world("1", 4)
-    acc = jax.jit(steps.make_eval_step(net, w1, "sync", folded=False))(
+    acc = jax.jit(steps.make_eval_step(parallel.data_parallel(net, w1, (6, 6, 3), "sync"),
+                                       folded=False))(
         variables["params"], variables["batch_stats"],
         {"image": x, "label": np.zeros(4, np.int32), "mask": np.ones(4, np.float32)},
         np.zeros((1, 4), np.float32))

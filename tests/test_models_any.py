@@ -22,6 +22,7 @@ from flax import nnx
 from helpers import assert_within_reorder_rounding, small_config, to_host
 from trjax import models, steps
 from trjax.data import input_pipeline as ip
+from trjax.objective import StepOptions
 from trjax.regions import Region, assign_regions
 from trjax.state import create_train_state
 from trjax.train import prepare, setup, train_and_evaluate
@@ -125,12 +126,11 @@ def _one_step(model, devices, bn_mode="sync"):
     data = _digits()
     cfg = _config(devices, bn_mode)
     tr = prepare(cfg, data, model=model)
-    state = create_train_state(cfg.seed, tr.model, tr.exchange, tr.world, data.image_shape,
-                               bn_mode)
+    state = create_train_state(cfg.seed, tr.layout, tr.exchange)
     start = to_host(state)
     batch = {"image": data.train.images[:GLOBAL], "label": data.train.labels[:GLOBAL],
              "mask": np.ones(GLOBAL, np.float32)}
-    step = jax.jit(steps.make_train_step(tr.model, tr.exchange, tr.plan, tr.world, bn_mode))
+    step = jax.jit(steps.make_train_step(tr.layout, tr.exchange, tr.plan))
     after, _ = step(state, ip.to_device(batch, tr.world.sharded(), 10))
     return start, to_host(after), tr, batch
 
@@ -255,9 +255,9 @@ def test_padded_batch_flax_batchnorm_counts_real_rows(bn_mode, k):
                       "rows")
     cfg = _config("8", bn_mode, grad_accumulation_steps=k)
     tr = prepare(cfg, data, model=OneBN())
-    state = create_train_state(cfg.seed, tr.model, tr.exchange, tr.world, (1, 1, 1), bn_mode)
-    step = jax.jit(steps.make_train_step(tr.model, tr.exchange, tr.plan, tr.world, bn_mode,
-                                         grad_accumulation_steps=k))
+    state = create_train_state(cfg.seed, tr.layout, tr.exchange)
+    step = jax.jit(steps.make_train_step(tr.layout, tr.exchange, tr.plan,
+                                         StepOptions(grad_accumulation_steps=k)))
     batch = {"image": rows.reshape(32, 1, 1, 1), "label": np.zeros(32, np.int32), "mask": mask}
     state, m = step(state, jax.device_put(batch, tr.world.sharded()))
     stats = to_host(state.batch_stats)["BatchNorm_0"]
@@ -373,7 +373,7 @@ def test_checkpoint_names_are_the_modules_own():
     data = _digits()
     model = LinenBN()
     tr = prepare(_config("2", "running"), data, model=model)
-    state = create_train_state(0, tr.model, tr.exchange, tr.world, data.image_shape, "running")
+    state = create_train_state(0, tr.layout, tr.exchange)
     own = model.init(jax.random.key(0), jnp.zeros((1, 8, 8, 1)), train=False)
     assert jax.tree_util.tree_structure(to_host(state.params)) == \
         jax.tree_util.tree_structure(own["params"])

@@ -1,5 +1,5 @@
 """Issue 31, first piece: the 2-D ("data", "stage") world and GPipe over a ResNet's blocks
-(trjax.world.parse_mesh / make_world(mesh=...), trjax.pipeline).
+(trjax.world.parse_mesh / make_world(mesh=...), trjax.parallel.pipeline).
 
 The oracle is the existing data-parallel step: trjax.steps.forward_backward with
 grad_accumulation_steps = M on the same D data devices groups the rows exactly as the
@@ -18,7 +18,8 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 from helpers import assert_within_reorder_rounding
-from trjax import models, pipeline, steps
+from trjax import models, steps
+from trjax.parallel import pipeline
 from trjax.comm import collectives_in_hlo
 from trjax.world import make_world, parse_mesh
 

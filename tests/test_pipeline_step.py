@@ -79,7 +79,7 @@ def test_pipelined_step_equals_gradient_accumulation(bn_mode, mesh, schedule, tr
     test_gpipe_equals_gradient_accumulation[3-3-sync]; 1F1B running S=3:
     test_1f1b_nan_in_bubbles_is_bitwise_zero_in_bubbles' 0-filled run)."""
     pp, dp = trainers(bn_mode, mesh, schedule), trainers(bn_mode)
-    assert pp.stages is not None and pp.world.data_size == 2 and pp.world.world_size > 2
+    assert pp.layout.kind == "pipeline" and pp.world.data_size == 2 and pp.world.world_size > 2
     assert pp.config.pipeline_schedule == schedule
     start = to_host(dp.state)
     for bits_a, bits_b in zip(jax.tree_util.tree_leaves(to_host(pp.state.params)),

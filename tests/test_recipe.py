@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from helpers import IMAGE_SHAPE, max_rel, random_batch, reference_step, small_config, to_host
-from trjax import aot, compression, exchange, models, optim, steps
+from trjax import aot, compression, exchange, models, optim, parallel, steps
 from trjax.metrics import METRICS
 from trjax.plan import build_plan, layer_matrices, shard_layout
 from trjax.state import create_train_state
@@ -319,7 +319,8 @@ def test_tx_hook_step_equals_one_device_and_ema_follows_numpy_through_skip_and_r
     tx = optax.chain(optax.clip_by_global_norm(1.0), optax.add_decayed_weights(1e-2),
                      optax.sgd(0.1))
     ex = exchange.from_config(small_config(ema_decay=d), plan, 0.1, world, tx=tx)
-    state = create_train_state(jax.random.key(0), model, ex, world, IMAGE_SHAPE, "sync")
+    layout = parallel.data_parallel(model, world, IMAGE_SHAPE, "sync")
+    state = create_train_state(jax.random.key(0), layout, ex)
     s0 = to_host(state)
     assert max_rel(exchange.ema_params(s0), s0.params) == 0.0  # starts at the params
     bad = random_batch(32, seed=2)
@@ -327,7 +328,7 @@ def test_tx_hook_step_equals_one_device_and_ema_follows_numpy_through_skip_and_r
     batches = [random_batch(32, seed=1), bad, random_batch(32, seed=3),
                random_batch(32, seed=4)]
     put = lambda b: jax.device_put(b, world.sharded())
-    step = aot.compile_step("train", steps.make_train_step(model, ex, plan, world, "sync"),
+    step = aot.compile_step("train", steps.make_train_step(layout, ex, plan),
                             state, put(batches[0]), donate_argnums=0)
     mngr = checkpoint.manager(str(tmp_path / "checkpoints"))
     hosts, ema = [], s0.params

@@ -8,8 +8,9 @@ import optax
 import pytest
 
 from helpers import IMAGE_SHAPE, max_rel, random_batch, to_host
-from trjax import exchange, models, steps
+from trjax import exchange, models, parallel, steps
 from trjax.data import augment, input_pipeline
+from trjax.objective import StepOptions
 from trjax.plan import build_plan
 from trjax.state import create_train_state
 from trjax.world import make_world
@@ -79,12 +80,12 @@ def test_loss_fn_hook_step_equals_one_device_and_a_scalar_is_refused():
     plan = build_plan(model, IMAGE_SHAPE)
     tx = optax.sgd(0.1)
     ex = exchange.allreduce(tx, plan)
-    state = create_train_state(jax.random.key(0), model, ex, world, IMAGE_SHAPE, "sync")
+    layout = parallel.data_parallel(model, world, IMAGE_SHAPE, "sync")
+    state = create_train_state(jax.random.key(0), layout, ex)
     s0 = to_host(state)
     batch = random_batch(32, seed=1)
     batch["mask"][29:] = 0.0  # three padding rows
-    step = jax.jit(steps.make_train_step(model, ex, plan, world, "sync",
-                                         loss_fn=_squared_error))
+    step = jax.jit(steps.make_train_step(layout, ex, plan, StepOptions(loss_fn=_squared_error)))
     new, m = step(state, jax.device_put(batch, world.sharded()))
     real = batch["mask"] > 0
 

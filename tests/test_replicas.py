@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 from helpers import IMAGE_SHAPE, random_batch, small_config
-from trjax import exchange, models, optim, steps
+from trjax import exchange, models, optim, parallel, steps
+from trjax.objective import StepOptions
 from trjax.plan import build_plan
 from trjax.state import create_train_state
 from trjax.world import make_world
@@ -80,9 +81,10 @@ def _config_step(path):
                                 bn_mode=cfg.bn_mode, axis_name=world.axis_name)
     plan = build_plan(model, IMAGE_SHAPE, cfg.buckets, "HWIO")
     ex = exchange.from_config(cfg, plan, optim.learning_rate_schedule(0.1, 0, 10), world)
-    state = create_train_state(jax.random.key(0), model, ex, world, IMAGE_SHAPE, cfg.bn_mode)
-    step = jax.jit(steps.make_train_step(model, ex, plan, world, cfg.bn_mode,
-                                         grad_accumulation_steps=cfg.grad_accumulation_steps))
+    layout = parallel.data_parallel(model, world, IMAGE_SHAPE, cfg.bn_mode)
+    state = create_train_state(jax.random.key(0), layout, ex)
+    step = jax.jit(steps.make_train_step(
+        layout, ex, plan, StepOptions(grad_accumulation_steps=cfg.grad_accumulation_steps)))
     return step, state, world, cfg.bn_mode, cfg.shard_optimizer_state
 
 

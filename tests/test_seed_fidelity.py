@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import optax
 
-from helpers import put_like, random_batch, setup, to_host
-from trjax import aot, comm, exchange, models, steps
+from helpers import IMAGE_SHAPE, put_like, random_batch, setup, to_host
+from trjax import aot, comm, exchange, models, parallel, steps
 
 
 @functools.lru_cache(maxsize=None)
@@ -17,7 +17,8 @@ def _compiled(bn_mode, world_spec="all", n=32):
     world, model, plan, tx, state = setup(world_spec, n, bn_mode)
     batch = random_batch(n, seed=7)
     step = aot.compile_step("train", steps.make_train_step(
-        model, exchange.allreduce(tx, plan), plan, world, bn_mode),
+        parallel.data_parallel(model, world, IMAGE_SHAPE, bn_mode),
+        exchange.allreduce(tx, plan), plan),
         state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     return world, model, plan, to_host(state), state, batch, step
 
@@ -64,9 +65,10 @@ def test_folded_bn_eval_equals_unfolded():
     for seed in range(3):  # move the running statistics away from (0, 1)
         state, _ = step(state, jax.device_put(random_batch(32, seed=seed), world.sharded()))
     acc0 = np.zeros((8, 4), np.float32)
-    folded = jax.jit(steps.make_fold_bn(world, "running"))(state)
-    ev_f = jax.jit(steps.make_eval_step(model, world, "running", folded=True))
-    ev_u = jax.jit(steps.make_eval_step(model, world, "running", folded=False))
+    layout = parallel.data_parallel(model, world, IMAGE_SHAPE, "running")
+    folded = jax.jit(steps.make_fold_bn(layout))(state)
+    ev_f = jax.jit(steps.make_eval_step(layout, folded=True))
+    ev_u = jax.jit(steps.make_eval_step(layout, folded=False))
     b = jax.device_put(random_batch(64, seed=9), world.sharded())
     a_f = np.asarray(ev_f(state.params, folded, b, jax.device_put(acc0, world.sharded())))
     a_u = np.asarray(ev_u(state.params, state.batch_stats, b, jax.device_put(acc0, world.sharded())))

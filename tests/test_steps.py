@@ -12,7 +12,8 @@ import pytest
 
 from helpers import (assert_within_reorder_rounding, max_rel, put_like, random_batch, setup,
                      reference_step_fn, to_host)
-from trjax import aot, exchange, models, steps
+from trjax import aot, exchange, models, parallel, steps
+from trjax.objective import StepOptions
 from trjax.plan import build_plan
 from trjax.state import check_replicas_identical
 
@@ -30,8 +31,9 @@ def _small_setup(world_spec, bn_mode, opt="sgd"):
                                 **SMALL)
     plan = build_plan(model, (8, 8, 1))
     tx = optim.make_optimizer(opt, 0.1, plan, weight_decay=1e-3)
-    state = create_train_state(jax.random.key(0), model, exchange.allreduce(tx, plan), world,
-                               (8, 8, 1), bn_mode)
+    state = create_train_state(jax.random.key(0),
+                               parallel.data_parallel(model, world, (8, 8, 1), bn_mode),
+                               exchange.allreduce(tx, plan))
     return world, model, plan, tx, state
 
 
@@ -46,7 +48,8 @@ def _compiled(world_spec, bn_mode, opt="sgd", padding=True):
     if key not in _COMPILED:
         world, model, plan, tx, state = _small_setup(world_spec, bn_mode, opt=opt)
         step = aot.compile_step("train", steps.make_train_step(
-            model, exchange.allreduce(tx, plan), plan, world, bn_mode, padding=padding),
+            parallel.data_parallel(model, world, (8, 8, 1), bn_mode),
+            exchange.allreduce(tx, plan), plan, StepOptions(padding=padding)),
             state, jax.device_put(random_batch(32), world.sharded()), donate_argnums=0)
         _COMPILED[key] = (world, model, plan, tx, to_host(state), state, step)
     return _COMPILED[key]
@@ -115,7 +118,8 @@ def test_applied_gradient_is_global_mean():
         opt_state=jax.jit(tx.init, out_shardings=world.replicated())(state.params))
     s0 = to_host(state)
     step = aot.compile_step("train", steps.make_train_step(
-        model, exchange.allreduce(tx, plan), plan, world, "sync"),
+        parallel.data_parallel(model, world, (8, 8, 1), "sync"),
+        exchange.allreduce(tx, plan), plan),
         state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     s1, _ = step(state, jax.device_put(batch, world.sharded()))
     applied = jax.tree_util.tree_map(lambda a, b: a - b, s0.params, to_host(s1.params))
@@ -239,10 +243,11 @@ def test_kernel_order_ihwo_equals_hwio_and_packs_without_transposes():
     batch = random_batch(32, seed=5)
     world, model, _, tx, state = setup("all", 32, "running", conv_lowering="xla")
     out, producers = {}, {}
+    layout = parallel.data_parallel(model, world, (8, 8, 1), "running")
     for order in ("HWIO", "IHWO"):
         plan = build_plan(model, (8, 8, 1), "two", order)
         step = aot.compile_step("train", steps.make_train_step(
-            model, exchange.allreduce(tx, plan), plan, world, "running"),
+            layout, exchange.allreduce(tx, plan), plan),
             state, jax.device_put(batch, world.sharded()))
         out[order] = to_host(step(state, jax.device_put(batch, world.sharded())))
         producers[order] = _deep_bucket_producers(step.hlo_text())
@@ -265,11 +270,11 @@ def test_loss_scaled_step_applies_the_unscaled_gradient():
     batch = random_batch(32, seed=4)
     world, model, plan, tx, _, _, _ = _compiled("all", "sync")
     ex = exchange.allreduce(tx, plan)
-    state = create_train_state(jax.random.key(0), model, ex, world, (8, 8, 1), "sync",
-                               loss_scale=1024.0)
+    layout = parallel.data_parallel(model, world, (8, 8, 1), "sync")
+    state = create_train_state(jax.random.key(0), layout, ex, loss_scale=1024.0)
     s0 = to_host(state)
     step = aot.compile_step("train", steps.make_train_step(
-        model, ex, plan, world, "sync", dynamic_loss_scale=True, growth_interval=1),
+        layout, ex, plan, StepOptions(dynamic_loss_scale=True, growth_interval=1)),
         state, jax.device_put(batch, world.sharded()), donate_argnums=0)
     s1, m = step(state, jax.device_put(batch, world.sharded()))
     p_ref, bs_ref, _, loss_ref, _ = _reference_step(s0.params, s0.batch_stats, s0.opt_state,

@@ -15,9 +15,9 @@ def _spy_train_step_padding(monkeypatch) -> list:
     from trjax import steps
     seen, real = [], steps.make_train_step
 
-    def spy(*args, **kwargs):
-        seen.append(kwargs.get("padding", True))
-        return real(*args, **kwargs)
+    def spy(layout, exchange, plan, options=None):
+        seen.append(True if options is None else options.padding)
+        return real(layout, exchange, plan, options)
     monkeypatch.setattr(steps, "make_train_step", spy)
     return seen
 

@@ -1,4 +1,4 @@
-"""trjax: data-parallel training of convolutional networks in JAX.
+"""trjax: data-, pipeline- and tensor-parallel training of convolutional networks in JAX.
 
 The design sits at the top of the package, one module per concept, in the
 order data flows (each imports only modules above it):
@@ -16,12 +16,16 @@ order data flows (each imports only modules above it):
 * ``exchange`` -- the gradient exchange, an optax-shaped ``(init, update)``
   pair (all-reduce, compressed, sharded optimizer state); ``state`` -- the
   TrainState and its one-program initialisation.
-* ``steps`` -- the per-device train/eval steps inside ``shard_map``; ``aot`` --
-  compiled once ahead of time with fixed shapes and donation.
-* ``pipeline`` -- GPipe over a ``data,stage`` mesh (``world.make_world(mesh=...)``):
-  a ResNet's residual blocks as contiguous stages, one SPMD tick loop (issue 31;
-  library code, not yet in the config or the loop).
+* ``tensor`` -- Megatron's mappings (``f``, ``g``, the gather) and which layers of a
+  ResNet split over a ``model`` axis; ``objective`` -- the per-device forward +
+  backward, the recipe's losses and mixing (``StepOptions``).
+* ``steps`` -- the per-device train/eval steps inside ``shard_map``, built from a
+  layout; ``aot`` -- compiled once ahead of time with fixed shapes and donation.
 * ``comm`` (the compiled HLO's collectives) -> ``report`` (the comm report).
+
+``trjax.parallel`` is parallelism's home: one ``Layout`` per mesh (``data_parallel``,
+``parallel.tensor.layout``, ``parallel.pipeline.layout`` with GPipe and 1F1B;
+``from_config`` chooses by ``config.mesh``), the only code that reads axis names.
 
 The machinery lives in sub-packages: ``trjax.data`` (sources, augmentation,
 the host input pipeline), ``trjax.cpu`` (the XLA:CPU backend, its compile
@@ -29,7 +33,9 @@ options, im2col), ``trjax.train`` (config, trainer, loop, checkpoints, stops,
 several processes, the compilation cache, the ``trjax-train`` command in
 ``main``) and ``trjax.configs`` (the shipped configs). ``data`` and ``cpu`` import
 nothing else of trjax; the design never imports ``data`` or ``train``; nothing
-outside ``train`` imports it (``tests/test_imports.py`` checks the rule).
+outside ``train`` imports it; ``parallel`` imports the design below the step (never
+``steps``, ``data`` or ``train``) and only ``train`` imports ``parallel``
+(``tests/test_imports.py`` checks the rule).
 
 The entry point: ``from trjax.train import train_and_evaluate``.
 """

@@ -170,7 +170,7 @@ class ResNet(nn.Module):
         ``tensor_size``); ``False`` keeps it replicated.
       blocks: ``(lo, hi)``: run only residual blocks ``lo .. hi-1`` (in call
         order), with the stem when ``lo == 0`` and the pooling + head when
-        ``hi`` is the last: a pipeline stage (:func:`trjax.pipeline.stage_modules`),
+        ``hi`` is the last: a pipeline stage (:func:`trjax.parallel.pipeline.stage_modules`),
         reading the same parameter paths; ``None``: the whole model.
 
     The input is used as it comes (the steps standardise it, :func:`normalize`);
@@ -194,6 +194,62 @@ class ResNet(nn.Module):
     tensor_stages: Optional[Sequence[int]] = None
     tensor_head: bool = True
     blocks: Optional[tuple] = None
+
+    def blocks_info(self, image_shape: Sequence[int]) -> list[dict]:
+        """The residual blocks in call order, with their shapes and
+        multiply-accumulates per example: the one owner of the ResNet's topology
+        (the pipeline's stage balancer reads it).
+
+        Args:
+          image_shape: ``(H, W, C)`` of one input image.
+
+        Returns:
+          ``[{"name": "stage1_block1", "stage": i, "index": j, "strides": s,
+          "in_shape": (H, W, C), "out_shape": (H', W', C'), "macs": int}]``; the
+          stem's MACs are added to the first block (``"stem_macs"`` there), the
+          head's to the last (``"head_macs"``). Convolution MACs only (BatchNorm,
+          ReLU and pooling are not counted).
+
+        Raises:
+          ValueError: an unknown block type, or no residual block.
+        """
+        module = self
+        if module.block not in (BasicBlock, Bottleneck):
+            raise ValueError(f"unknown ResNet block {module.block!r}")
+        h, w, c = (int(v) for v in image_shape)
+        half = lambda v: -(-v // 2)  # 'SAME' / padding 1, stride 2
+        if module.stem == "imagenet":
+            h, w = half(h), half(w)
+            stem = h * w * 49 * c * module.stem_width
+            h, w = half(h), half(w)  # max-pool 3x3 stride 2, padding 1
+        else:
+            stem = h * w * 9 * c * module.stem_width
+        c = module.stem_width
+        blocks = []
+        for i, (n_blocks, width) in enumerate(zip(module.stage_sizes, module.widths)):
+            for j in range(n_blocks):
+                s = 2 if i > 0 and j == 0 else 1
+                ho, wo = (half(h), half(w)) if s == 2 else (h, w)
+                if module.block is BasicBlock:
+                    out = width
+                    macs = ho * wo * 9 * c * width + ho * wo * 9 * width * width
+                else:
+                    out = 4 * width
+                    macs = h * w * c * width + ho * wo * 9 * width * width + ho * wo * width * out
+                if c != out or s != 1:
+                    macs += ho * wo * c * out
+                blocks.append({"name": f"stage{i + 1}_block{j + 1}", "stage": i, "index": j,
+                               "strides": s, "in_shape": (h, w, c), "out_shape": (ho, wo, out),
+                               "macs": int(macs)})
+                h, w, c = ho, wo, out
+        if not blocks:
+            raise ValueError("the ResNet has no residual block to split into stages")
+        blocks[0]["stem_macs"] = int(stem)
+        blocks[0]["macs"] += int(stem)
+        head = c * module.num_classes
+        blocks[-1]["head_macs"] = int(head)
+        blocks[-1]["macs"] += int(head)
+        return blocks
 
     @nn.compact
     def __call__(self, x, train: bool = True, mask=None):
@@ -448,6 +504,11 @@ class Network:
         return {"params": zero_init_residual_scales(self.module, variables.get("params", {})),
                 "batch_stats": variables.get("batch_stats", {})}
 
+    def abstract_variables(self, image_shape: tuple) -> dict:
+        """:meth:`init`'s result as ``jax.ShapeDtypeStruct`` leaves (traced, not
+        run): the shapes and dtypes of the parameters and statistics."""
+        return jax.eval_shape(lambda k: self.init(k, image_shape), jax.random.key(0))
+
     def apply_train(self, params, batch_stats, x, ctx: BatchNormContext, rng=None):
         """The training forward pass: ``(logits, bn_sums)``.
 
@@ -556,7 +617,7 @@ def check_output(net: Network, image_shape: tuple, num_classes: int, dtype=jnp.f
         value and the fix).
     """
     x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), dtype)
-    variables = jax.eval_shape(lambda k: net.init(k, image_shape), jax.random.key(0))
+    variables = net.abstract_variables(image_shape)
     ctx = BatchNormContext("local")
     outs = {
         "evaluation": jax.eval_shape(

@@ -357,12 +357,12 @@ def build_plan(model, image_shape: tuple, policy: str = "two",
     (:func:`trjax.models.as_network`); its parameters are assigned regions by
     :func:`trjax.regions.assign_regions` (call order, not layer types).
     ``local``: ``(params, batch_stats) -> (params, batch_stats)`` of one
-    device's shapes (tensor parallelism: :func:`trjax.tensor.local_shapes`),
+    device's shapes (:attr:`trjax.parallel.Layout.local_shapes`),
     or ``None``: the buckets then pack what each device holds, the regions
     stay those of the unsplit model."""
     net = models.as_network(model)
     x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), jnp.float32)
-    variables = jax.eval_shape(lambda k: net.init(k, image_shape), jax.random.key(0))
+    variables = net.abstract_variables(image_shape)
     regions = assign_regions(net, variables, x)
     params, stats = variables["params"], variables["batch_stats"]
     if local is not None:

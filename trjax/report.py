@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trjax import allreduce, comm, pipeline
+from trjax import allreduce, comm
 from trjax.metrics import METRICS
 from trjax.regions import Region
 
@@ -21,10 +21,9 @@ def comm_report(tr) -> dict:
       ``traffic_per_rank_bytes`` (ring model).
     """
     config, plan = tr.config, tr.plan
-    # the gradient all-reduce spans the data axis, and the stage axis while the parameters
-    # are replicated over it (trjax.pipeline, design v1); a model axis splits them instead
-    axes = dict(tr.world.axes)
-    n = tr.world.data_size * axes.get("stage", 1)
+    # the gradient all-reduce spans the layout's grad axes (data, and stage while the
+    # parameters are replicated over it: trjax.parallel.pipeline, design v1)
+    n = tr.layout.grad_replicas
     names = {"deep": "bucket:deep (deep convs + metrics)",
              "first": "bucket:first (first conv + BN + FC)"}
     labels = {plan.stat_sums_elements: "bn:running statistics",
@@ -62,8 +61,8 @@ def comm_report(tr) -> dict:
         for c in cols:
             axis = comm.axis_of(c, mesh)
             c["axis"] = "+".join(axis) if isinstance(axis, tuple) else axis
-            if c["carries"] == ["other"] and axis in _AXIS_LABELS:
-                c["carries"] = [_AXIS_LABELS[axis].get(c["kind"], "other")]
+            if c["carries"] == ["other"] and axis in tr.layout.collective_labels:
+                c["carries"] = [tr.layout.collective_labels[axis].get(c["kind"], "other")]
         out[step.name] = {"collectives": cols, "count": len(cols),
                           "by_axis": {("+".join(a) if isinstance(a, tuple) else str(a)):
                                       {"count": v["count"], "bytes": v["bytes"]}
@@ -94,39 +93,15 @@ def comm_report(tr) -> dict:
     out["traffic_per_rank_bytes"] = {"gradients": comm.ring_traffic_bytes(grad_bytes, n_grad),
                                      "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes,
                                      "N": n_grad}
-    if getattr(tr, "stages", None) is not None:
-        out["traffic_per_rank_bytes"]["pipeline"] = pipeline_traffic(tr)
+    if tr.layout.point_to_point is not None:
+        itemsize = 2 if tr.config.precision in ("bf16", "fp16") else 4
+        out["traffic_per_rank_bytes"]["pipeline"] = tr.layout.point_to_point(itemsize)
     out["cost_model"] = {
         alg: [{"bucket": b, **allreduce.cost_model(alg, plan.bucket_bytes(b), n)}
               for b in plan.bucket_elements]
         for alg in allreduce.ALGORITHMS}
     out["memory_plan"] = plan.describe()
     return out
-
-
-_AXIS_LABELS = {
-    "stage": {"collective-permute": "pipeline:boundary activation / cotangent"},
-    "model": {"all-reduce": "tensor:Megatron f/g (partial sums of a split pair or the head)",
-              "all-gather": "tensor:head logits"},
-}
-"""What a collective over a model-parallel axis carries, by kind (the labels of
-collectives the plan's sizes do not name)."""
-
-
-def pipeline_traffic(tr) -> dict:
-    """The GPipe point-to-point model (:func:`trjax.comm.pipeline_bytes`) of a
-    pipelined trainer: useful bytes per data replica's pipeline per step, and
-    what the loop issues (M + S - 1 permutes per boundary and direction)."""
-    st = tr.stages
-    layout = pipeline.block_layout(tr.model.module, tr.data.image_shape)
-    shapes = [layout[hi - 1]["out_shape"] for _, hi in st.bounds[:-1]]
-    m = tr.microbatches
-    mu = tr.world.local_batch_size // m
-    itemsize = 2 if tr.config.precision in ("bf16", "fp16") else 4
-    useful = comm.pipeline_bytes(m, mu, shapes, itemsize)
-    return {"formula": "sum_b 2 M mu |a_b|", "microbatches": m, "micro_batch": mu,
-            "boundary_shapes": [list(x) for x in shapes], "useful_bytes": useful,
-            "issued_bytes": useful * (m + st.num_stages - 1) // m}
 
 
 def format_report(r: dict) -> str:

@@ -9,7 +9,7 @@ classifier is column-parallel over classes and its logits are all-gathered.
 
 What is split (:func:`split_layers`; by default the LAST stage's blocks and the
 head, where the weights are and the activations are small:
-``/work/shared/notes/model-parallel.md`` section 3.4):
+``docs/parallelism.md``):
 
 * ``BasicBlock``: ``f`` -> ``Conv_0`` (3x3, column) -> ``BatchNorm_0`` on its
   local channels (statistics reduced over the DATA axis only, as every trjax
@@ -61,7 +61,6 @@ import math
 from typing import Mapping, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P

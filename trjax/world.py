@@ -25,7 +25,7 @@ trjax reads the name from ``World.axis_name``."""
 MESH_AXES = ("data", "stage", "model")
 """The axis names a multi-axis mesh (:func:`parse_mesh`) may use, in the order
 they must appear: ``data`` (outermost: the batch split and the gradient
-all-reduce), ``stage`` (pipeline stages, :mod:`trjax.pipeline`), ``model``
+all-reduce), ``stage`` (pipeline stages, :mod:`trjax.parallel.pipeline`), ``model``
 (tensor parallelism, not yet implemented: reserved). Devices are laid out
 row-major, so the last axis lands on adjacent devices (Megatron's order)."""
 

@@ -102,7 +102,7 @@ def _build(a, name, reference, data, variants) -> dict:
     """Builds one variant (``name``: a mesh, or ``data:D accum:M``) and its row."""
     from benchmarking.common import make_config
     from benchmarking.variants import JaxVariant
-    from trjax import comm, report
+    from trjax import comm
     mesh, _, accum = name.partition(" accum:")
     sizes = _mesh_sizes(mesh)
     n = 1
@@ -121,20 +121,22 @@ def _build(a, name, reference, data, variants) -> dict:
     per_axis = {("+".join(k) if isinstance(k, tuple) else str(k)):
                 {"count": r["count"], "bytes": r["bytes"]}
                 for k, r in comm.by_axis(cols, tr.world.mesh).items()}
-    n_grad = tr.world.data_size * sizes.get("stage", 1)
+    n_grad = tr.layout.grad_replicas
     row = {"name": name, "reference": reference, "world_size": n,
            "local_batch": tr.world.local_batch_size,
            "build_s": time.perf_counter() - t0, "compile_s": tr.train_step.compile_s,
            "memory": tr.train_step.memory(), "by_axis": per_axis,
            "model_bytes": {"data": comm.data_bytes(tr.plan.gradient_bytes, n_grad),
                            "data_N": n_grad}}
-    if tr.stages is not None:
-        S, M = tr.stages.num_stages, tr.microbatches
-        row["stages"] = {"shares": list(tr.stages.shares), "imbalance": tr.stages.imbalance,
+    if tr.layout.point_to_point is not None:  # a pipeline
+        shares, M = tr.layout.details["pipeline_stage_shares"], tr.layout.details[
+            "pipeline_microbatches"]
+        S = len(shares)
+        row["stages"] = {"shares": shares, "imbalance": max(shares) * S,
                          "microbatches": M, "bubble": (S - 1) / (M + S - 1),
                          "bubble_time_factor": (M + S - 1) / M,
                          "remat": bool(c.pipeline_remat)}
-        traffic = report.pipeline_traffic(tr)
+        traffic = tr.layout.point_to_point(2 if c.precision in ("bf16", "fp16") else 4)
         row["model_bytes"].update(stage_useful=traffic["useful_bytes"],
                                   stage_issued=traffic["issued_bytes"])
     print(f"  {name}: built in {row['build_s']:.1f} s; temp "

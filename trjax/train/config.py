@@ -18,14 +18,14 @@ from typing import Any
 
 import ml_collections
 
-from trjax import compression, models, optim
+from trjax import compression, models, optim, parallel
 from trjax.cpu import host, im2col
 from trjax.data import input_pipeline
 from trjax.batchnorm import BN_MODES
 from trjax.exchange import ALLREDUCE_CHOICES
 from trjax.plan import BUCKET_POLICIES
 from trjax.precision import PRECISIONS
-from trjax.world import check_batch_split, parse_mesh
+from trjax.world import check_batch_split
 
 @dataclasses.dataclass(frozen=True)
 class Key:
@@ -80,12 +80,12 @@ KEYS = {
     "cpu_convolutions": Key("choice", host.CPU_CONVOLUTIONS, **_WHERE),
     "conv_lowering": Key("choice", im2col.LOWERINGS, **_WHERE),
     "cpu_reuse_memory": Key("bool", **_WHERE),
-    "mesh": Key("str", **_WHERE),  # checked by trjax.world.parse_mesh and check_mesh
+    "mesh": Key("str", **_WHERE),  # checked by trjax.world.parse_mesh and trjax.parallel.check_config
     # where it runs, like mesh and devices (which set the rows per BN group too): may
     # change on resume; the start-up line prints the M in use
     "pipeline_microbatches": Key("int", 0, **_WHERE, hint=" (0: 4 x stages)"),
-    "pipeline_stage_starts": Key("str"),  # checked by trjax.pipeline.plan_stages
-    "pipeline_schedule": Key("choice", ("gpipe", "1f1b")),  # trjax.pipeline.SCHEDULES
+    "pipeline_stage_starts": Key("str"),  # checked by trjax.parallel.pipeline.plan_stages
+    "pipeline_schedule": Key("choice", ("gpipe", "1f1b")),  # trjax.parallel.pipeline.SCHEDULES
     "pipeline_remat": Key("bool"),
     "global_batch_size": Key("int", 1, **_MATCH),
     "eval_batch_size": Key("int", 1),
@@ -251,10 +251,10 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
         raise ValueError(f"config.compression_start_step={c.compression_start_step!r} needs a "
                          "compression (config.compression='none'); set it to 0 or choose one "
                          f"of {list(compression.COMPRESSORS)}")
-    check_mesh(c)
+    parallel.check_config(c, is_import_path(c.model), models.MODELS)
     if world_size is None:
         return
-    size_name = "the data axis size" if len(mesh_axes(c)) > 1 else "world_size"
+    size_name = "the data axis size" if len(parallel.mesh_sizes(c)) > 1 else "world_size"
     check_batch_split(c.global_batch_size, world_size, "config.global_batch_size", size_name)
     check_batch_split(c.eval_batch_size, world_size, "config.eval_batch_size", size_name)
     local, k = c.global_batch_size // world_size, c.grad_accumulation_steps
@@ -265,82 +265,6 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
             world_size % c.allreduce_local_size:
         raise ValueError(f"config.allreduce_local_size={c.allreduce_local_size!r} must divide "
                          f"the world size {world_size} (devices per node; 0: per process)")
-
-
-def mesh_axes(config) -> dict:
-    """``{axis: size}`` of ``config.mesh`` (``{}`` for the 1-D default "")."""
-    return dict(parse_mesh(config.mesh)) if config.mesh else {}
-
-
-def pipeline_microbatches(config) -> int:
-    """M: ``config.pipeline_microbatches``, or 4 x stages when it is 0 (GPipe's
-    rule of thumb, Huang et al. 2019: the bubble is small for M >= 4 S)."""
-    stages = mesh_axes(config).get("stage", 1)
-    return config.pipeline_microbatches or 4 * stages
-
-
-def check_mesh(config) -> None:
-    """The combinations a model-parallel mesh allows, before anything is traced.
-
-    A ``stage`` axis (pipeline, :mod:`trjax.pipeline`) or a ``model`` axis
-    (tensor parallel, :mod:`trjax.tensor`) runs the built-in ResNets with BN in
-    ``running`` or ``sync`` mode, XLA's all-reduce (``lax.psum`` over the
-    axes), no compression and no ZeRO-1; a pipeline's micro-batches replace
-    ``grad_accumulation_steps``, and mixup/cutmix (which mix rows across a
-    micro-batch) are not supported on it; tensor parallelism needs an
-    elementwise optimizer (a split layer's norm would need a sum over
-    ``model``: no LARS, no ``grad_clip_norm``). The pipeline keys are an error
-    without a ``stage`` axis.
-
-    Raises:
-      ValueError: naming the key, its value and the fix.
-    """
-    c = config
-    axes = mesh_axes(c)
-    stage, model = "stage" in axes, "model" in axes  # size 1 too: a GPU's 1 x 1 check
-    if stage and c.pipeline_schedule == "1f1b" and not c.pipeline_remat:
-        raise ValueError("config.pipeline_remat=False applies to pipeline_schedule='gpipe': "
-                         "1f1b always recomputes each stage in its backward slot; leave "
-                         "pipeline_remat=True or use gpipe")
-    starts = str(c.pipeline_stage_starts)
-    if starts.strip() and any(not b.strip() for b in starts.split(",")):
-        raise ValueError(f"config.pipeline_stage_starts={starts!r} has an empty item: give "
-                         "block names separated by commas, e.g. 'stage2_block1,stage3_block1'")
-    if not stage:
-        for key, off in (("pipeline_microbatches", 0), ("pipeline_stage_starts", ""),
-                         ("pipeline_schedule", "gpipe"), ("pipeline_remat", True)):
-            if c[key] != off:
-                raise ValueError(f"config.{key}={c[key]!r} applies to a mesh with a 'stage' "
-                                 f"axis (config.mesh={c.mesh!r}); set it to {off!r} or use e.g. "
-                                 "mesh='data:2,stage:4'")
-    if not (stage or model):
-        return
-    if stage and model:
-        raise ValueError(f"config.mesh={c.mesh!r}: pipeline and tensor parallelism together "
-                         "(a 3-D mesh) are not supported yet; use 'data:D,stage:S' or "
-                         "'data:D,model:T'")
-    kind = "a 'stage' axis (pipeline)" if stage else "a 'model' axis (tensor parallel)"
-    if is_import_path(c.model):
-        raise ValueError(f"config.mesh={c.mesh!r}: {kind} splits trjax's own ResNets; "
-                         f"config.model={c.model!r} is your own model: use a built-in model "
-                         f"({sorted(models.MODELS)}) or a mesh with the data axis only")
-    wants = [("bn_mode", c.bn_mode in ("running", "sync"), "'running' or 'sync'"),
-             ("allreduce", c.allreduce == "xla", "'xla'"),
-             ("compression", c.compression == "none", "'none'"),
-             ("shard_optimizer_state", not c.shard_optimizer_state, "False")]
-    if stage:
-        wants += [("grad_accumulation_steps", c.grad_accumulation_steps == 1,
-                   "1 (the pipeline's micro-batches are its accumulation: "
-                   "config.pipeline_microbatches)"),
-                  ("mixup_alpha", not c.mixup_alpha, "0"), ("cutmix_alpha", not c.cutmix_alpha, "0")]
-    if model:
-        wants += [("optimizer", c.optimizer in ("sgd", "adamw"), "'sgd' or 'adamw'"),
-                  ("grad_clip_norm", not c.grad_clip_norm, "0")]
-    for key, ok, fix in wants:
-        if not ok:
-            raise ValueError(f"config.{key}={c[key]!r} is not supported with {kind} "
-                             f"(config.mesh={c.mesh!r}): set it to {fix}, or use a mesh with "
-                             "the data axis only")
 
 
 MODEL_ARGS = ("num_classes", "bn_mode", "axis_name", "bn_momentum", "dtype", "conv_lowering",

@@ -181,13 +181,8 @@ def _announce(tr: Trainer, compiles, say) -> None:
         f"global_batch={world.global_batch_size} local_batch={world.local_batch_size} "
         f"bn_mode={config.bn_mode} precision={config.precision} "
         f"train_padding_mask={not tr.full_batches}")
-    if tr.stages is not None:
-        st = tr.stages
-        say(f"pipeline: {st.num_stages} stages x {tr.microbatches} "
-            f"micro-batches ({config.pipeline_schedule}), stage MAC shares "
-            + "/".join(f"{100 * x:.1f}%" for x in st.shares)
-            + f" (max/mean {st.imbalance:.2f}), stages begin at "
-            + ", ".join(st.blocks[lo] for lo, _ in st.bounds))
+    if tr.layout.line:
+        say(tr.layout.line)
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
                                 for b, n in plan.bucket_elements.items()) +
         f"; the four steps built in {sum(c.compile_s for c in tr.compiled):.1f}s")
@@ -424,8 +419,7 @@ class Run:
             "val_examples": val["count"],
             "world_size": world.world_size, "process_count": jax.process_count(),
             "mesh": world.mesh_spec,
-            **({"pipeline_microbatches": tr.microbatches,
-                "pipeline_stage_shares": list(tr.stages.shares)} if tr.stages else {}),
+            **tr.layout.describe(),
             "global_batch_size": world.global_batch_size,
             "local_batch_size": world.local_batch_size, "platform": world.devices[0].platform,
             "cpu_convolutions": host.convolution_library(),

@@ -19,7 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from trjax import aot, models, optim, pipeline, steps
+from trjax import aot, models, optim, parallel, steps
 from trjax.data import input_pipeline
 from trjax.train import config as config_lib
 from trjax import exchange as exchange_lib
@@ -27,7 +27,8 @@ from trjax.cpu.im2col import resolve_conv_lowering
 from trjax.metrics import METRICS, StepMetrics
 from trjax.plan import build_plan
 from trjax.precision import INITIAL_LOSS_SCALE, compute_dtype
-from trjax.state import TensorLayout, tensor_layout, train_state_program, with_optimizer
+from trjax.objective import StepOptions
+from trjax.state import train_state_program
 from trjax.world import host_value, make_world
 
 
@@ -40,11 +41,7 @@ class Trainer:
     no training batch holds a padding row
     (:func:`trjax.data.input_pipeline.train_batches_full`), so the train step is
     compiled without BatchNorm's padding mask; the loop refuses a batch with one.
-    ``stages``: on a mesh with a ``stage`` axis, the pipeline's split of the
-    model (:func:`trjax.pipeline.check_pipeline`), else ``None``, and
-    ``microbatches`` its M per step (1 without a pipeline). ``layout``:
-    on a mesh with a ``model`` axis, the tensor-parallel layout
-    (:func:`trjax.state.tensor_layout`), else ``None``.
+    ``layout``: how the run lies over its mesh (:func:`trjax.parallel.from_config`).
     ``loss_fn``, ``transform``: the user's training loss and per-example
     augmentation (:func:`prepare`), or ``None``."""
     config: Any
@@ -56,10 +53,8 @@ class Trainer:
     exchange: exchange_lib.GradientExchange
     steps_per_epoch: int
     dtype: Any
+    layout: parallel.Layout
     full_batches: bool = False
-    stages: pipeline.StagePlan | None = None
-    microbatches: int = 1
-    layout: TensorLayout | None = None
     loss_fn: Any = None
     transform: Any = None
     state: Any = None
@@ -136,34 +131,13 @@ def prepare(config: ml_collections.ConfigDict,
                                                  config.train_remainder)
     config_lib.validate_steps(config, len(data.train.labels), world.global_batch_size, train_steps)
     dtype = compute_dtype(config.precision)
-    builtin = model is None and not config_lib.is_import_path(config.model)
-    if model is None:  # config.model: a built-in name or an import path
-        lowering = resolve_conv_lowering(config.conv_lowering, world.devices[0].platform)
-        model = config_lib.resolve_model(config, data.num_classes, bn_mode=config.bn_mode,
-                                         axis_name=world.axis_name,
-                                         bn_momentum=config.bn_momentum, dtype=dtype,
-                                         conv_lowering=lowering,
-                                         **({"zero_init_residual": True}
-                                            if builtin and config.zero_init_residual else {}))
-    model = models.wrap(model, image_shape=data.image_shape, num_classes=data.num_classes,
-                        mean=data.mean, std=data.std, dtype=dtype, seed=config.seed,
-                        check=not builtin)
-    stages = _check_pipeline(config, world, model, data.image_shape)
-    if tx is not None and "model" in dict(world.axes):
-        raise ValueError(f"tx= (your own optimizer) on config.mesh={config.mesh!r}: with a "
-                         "'model' axis it would see each device's slice of a split layer, so a "
-                         "norm over a layer or all leaves (clipping, LARS) would be per slice; use "
-                         "config.optimizer='sgd' or 'adamw', or a mesh without 'model'")
-    layout = tensor_layout(model, world, data.image_shape) if "model" in dict(world.axes) \
-        else None
-    plan = build_plan(model, data.image_shape, config.buckets,
-                      local=None if layout is None else layout.local_shapes)
+    model = _network(config, world, data, model, dtype)
+    layout = parallel.from_config(config, world, model, data.image_shape, tx=tx)
+    plan = build_plan(model, data.image_shape, config.buckets, local=layout.local_shapes)
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
                                             train_steps * config.num_epochs)
     exchange = exchange_lib.from_config(config, plan, schedule, world, tx=tx)
-    if layout is not None:
-        layout = with_optimizer(layout, model, exchange, world, data.image_shape)
     full = input_pipeline.train_batches_full(data.train, world.global_batch_size,
                                              config.train_remainder)
     if loss_fn is not None:
@@ -175,24 +149,26 @@ def prepare(config: ml_collections.ConfigDict,
     if transform is not None:
         input_pipeline.check_transform(transform, data.train, data.image_shape, seed=config.seed,
                                        workers=config.data_workers)
-    return Trainer(config, world, data, model, plan, schedule, exchange, train_steps, dtype, full,
-                   stages=stages, layout=layout,
-                   microbatches=config_lib.pipeline_microbatches(config) if stages else 1,
-                   loss_fn=loss_fn, transform=transform)
+    return Trainer(config, world, data, model, plan, schedule, exchange, train_steps, dtype,
+                   layout.with_exchange(exchange), full, loss_fn=loss_fn, transform=transform)
 
 
-def _check_pipeline(config, world, model, image_shape) -> pipeline.StagePlan | None:
-    """The pipeline's stage plan on a ``stage`` mesh (``None`` otherwise), checked
-    with the config's names in every message."""
-    if "stage" not in dict(world.axes):
-        return None
-    S, M = dict(world.axes)["stage"], config_lib.pipeline_microbatches(config)
-    starts = [b.strip() for b in config.pipeline_stage_starts.split(",") if b.strip()]
-    what = (f"config.pipeline_microbatches={M}" if config.pipeline_microbatches else
-            f"config.pipeline_microbatches=0 (the default: 4 x {S} stages = {M})")
-    return pipeline.check_pipeline(
-        model.module, image_shape, S, world.local_batch_size, M, starts or None, what=what,
-        starts_what=f"config.pipeline_stage_starts={config.pipeline_stage_starts!r}")
+def _network(config, world, data, model, dtype) -> models.Network:
+    """The run's :class:`trjax.models.Network`: ``model``, or ``config.model`` (a
+    built-in name or an import path) built with the config's keys; checked
+    (:func:`trjax.models.wrap`) unless it is a built-in ResNet."""
+    builtin = model is None and not config_lib.is_import_path(config.model)
+    if model is None:  # config.model: a built-in name or an import path
+        lowering = resolve_conv_lowering(config.conv_lowering, world.devices[0].platform)
+        model = config_lib.resolve_model(config, data.num_classes, bn_mode=config.bn_mode,
+                                         axis_name=world.axis_name,
+                                         bn_momentum=config.bn_momentum, dtype=dtype,
+                                         conv_lowering=lowering,
+                                         **({"zero_init_residual": True}
+                                            if builtin and config.zero_init_residual else {}))
+    return models.wrap(model, image_shape=data.image_shape, num_classes=data.num_classes,
+                       mean=data.mean, std=data.std, dtype=dtype, seed=config.seed,
+                       check=not builtin)
 
 
 def data_identity(split) -> dict:
@@ -229,8 +205,7 @@ def checkpoint_keys(tr: Trainer) -> dict:
     keys = {k: tr.config[k] for k in config_lib.CHECKPOINT_KEYS}
     keys.update(data_identity(tr.data.train))
     keys.update(tr.exchange.checkpoint_keys(tr.world))
-    if tr.config.bn_mode == "local":
-        keys["world_size"] = tr.world.world_size
+    keys.update(tr.layout.checkpoint_keys())
     if not isinstance(tr.model.module, models.ResNet):
         layout = [(s.name, s.shape, s.dtype) for s in tr.plan.slots] + \
             sorted((name, shape) for name, (_, _, shape) in tr.plan.stats_slots.items())
@@ -266,9 +241,8 @@ def setup(config: ml_collections.ConfigDict,
                                                        transform)
     world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
     fp16 = config.precision == "fp16"
-    init = train_state_program(config.seed, model, tr.exchange, world, data.image_shape,
-                               config.bn_mode, loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0,
-                               layout=tr.layout)
+    init = train_state_program(config.seed, tr.layout, tr.exchange,
+                               loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
 
     def example(n):
         return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
@@ -285,12 +259,9 @@ def setup(config: ml_collections.ConfigDict,
         pending_state = pool.submit(contextvars.copy_context().run, init.finish)
         train_step = aot.compile_step("train_step", make_train_step(tr), init.abstract,
                                       example(world.global_batch_size), donate_argnums=0)
-        fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(world, config.bn_mode, model,
-                                                                 tr.layout), init.abstract)
+        fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(tr.layout), init.abstract)
         folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
-        eval_step = aot.compile_step("eval_step",
-                                     steps.make_eval_step(model, world, config.bn_mode,
-                                                          layout=tr.layout),
+        eval_step = aot.compile_step("eval_step", steps.make_eval_step(tr.layout),
                                      init.abstract.params, folded, example(config.eval_batch_size),
                                      acc_shape, donate_argnums=3)
         eval_reduce = aot.compile_step("eval_reduce", steps.make_eval_reduce(world), acc_shape)
@@ -300,25 +271,22 @@ def setup(config: ml_collections.ConfigDict,
                                eval_reduce=eval_reduce)
 
 
+def step_options(tr: Trainer) -> StepOptions:
+    """What the train step does beyond its layout, from the config and the
+    user's ``loss_fn`` (:class:`trjax.objective.StepOptions`)."""
+    c = tr.config
+    return StepOptions(dynamic_loss_scale=c.precision == "fp16",
+                       growth_interval=c.loss_scale_growth_interval,
+                       grad_accumulation_steps=c.grad_accumulation_steps,
+                       padding=not tr.full_batches, loss_fn=tr.loss_fn,
+                       label_smoothing=c.label_smoothing, mixup_alpha=c.mixup_alpha,
+                       cutmix_alpha=c.cutmix_alpha)
+
+
 def make_train_step(tr: Trainer):
-    """The train step of ``tr``'s mesh, traced lazily: data parallel
-    (:func:`trjax.steps.make_train_step`; on a ``model`` axis with the
-    tensor-parallel layout) or, on a ``stage`` axis, the pipeline
-    (:func:`trjax.pipeline.make_train_step`)."""
-    c, fp16 = tr.config, tr.config.precision == "fp16"
-    if tr.stages is not None:
-        return pipeline.make_train_step(
-            tr.model, tr.exchange, tr.plan, tr.world, c.bn_mode,
-            tr.microbatches, tr.stages, remat=c.pipeline_remat,
-            schedule=c.pipeline_schedule,
-            dynamic_loss_scale=fp16, growth_interval=c.loss_scale_growth_interval,
-            loss_fn=tr.loss_fn, label_smoothing=c.label_smoothing)
-    return steps.make_train_step(
-        tr.model, tr.exchange, tr.plan, tr.world, c.bn_mode, dynamic_loss_scale=fp16,
-        growth_interval=c.loss_scale_growth_interval,
-        grad_accumulation_steps=c.grad_accumulation_steps, padding=not tr.full_batches,
-        loss_fn=tr.loss_fn, label_smoothing=c.label_smoothing, mixup_alpha=c.mixup_alpha,
-        cutmix_alpha=c.cutmix_alpha, layout=tr.layout)
+    """The train step of ``tr``'s layout, traced lazily
+    (:func:`trjax.steps.make_train_step`)."""
+    return steps.make_train_step(tr.layout, tr.exchange, tr.plan, step_options(tr))
 
 
 def evaluate_pass(tr: Trainer, state, skipped: set | None = None, ema: bool = True) -> dict:

@@ -1,9 +1,11 @@
-"""GPipe pipeline parallelism for trjax's built-in ResNets, one SPMD program.
+"""Pipeline parallelism (GPipe, 1F1B) for trjax's built-in ResNets, one SPMD program.
 
-Issue 31. :func:`make_train_step` is the pipelined train step the trainer
-compiles for a mesh with a ``stage`` axis (``config.mesh="data:2,stage:4"``).
-Design: ``shared/notes/model-parallel.md`` §3.2 (v1: parameters replicated over
-``stage``). Sources: GPipe (Huang et al., "GPipe: Efficient Training of Giant
+:func:`layout` is the :class:`~trjax.parallel.layout.Layout` of a mesh with a
+``stage`` axis (``config.mesh="data:2,stage:4"``): its ``forward_backward`` is
+:func:`pipeline_forward_backward` with the schedule bound, which
+:func:`trjax.steps.make_train_step` calls like any other (design v1: the
+parameters are replicated over ``stage``; each device computes with its stage's
+leaves only). Sources: GPipe (Huang et al., "GPipe: Efficient Training of Giant
 Neural Networks using Pipeline Parallelism", NeurIPS 2019: fill/drain schedule,
 the backward from the forward loop); the jax ``shard_map`` notebook,
 §"SPMD pipeline parallelism" (a loop of ``M + S - 1`` ticks and a ``ppermute``
@@ -35,12 +37,12 @@ Memory. Differentiating a ``lax.switch`` stores, per tick, the residuals of
 every branch (the untaken ones as zeros), so without ``remat`` the loop keeps
 S stages' residuals for each of the M + S - 1 ticks; ``remat=True`` keeps only
 each stage call's inputs and recomputes the stage in the backward (the test
-model at S = 3, M = 4 on XLA:CPU: temp 379 KB -> 98 KB). 1F1B (O(S) stashed
-micro-batches instead of O(M)) is not implemented.
+model at S = 3, M = 4 on XLA:CPU: temp 379 KB -> 98 KB). The 1F1B schedule
+(:func:`_one_f_one_b`) stashes O(S) micro-batches' stage inputs instead of O(M).
 
 Equivalence. Micro-batch ``j`` on data rank ``r`` holds the local rows ``[j
 mu, (j + 1) mu)``, ``mu = local / M``: the grouping of
-:func:`trjax.steps.forward_backward` with ``grad_accumulation_steps = M``, so
+:func:`trjax.objective.forward_backward` with ``grad_accumulation_steps = M``, so
 the two agree up to the order of fp32 sums (BatchNorm normalises each
 micro-batch with its own statistics in both).
 """
@@ -48,6 +50,7 @@ micro-batch with its own statistics in both).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -56,75 +59,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from trjax import models
-from trjax.collectives import as_varying
+from trjax import comm, models
 from trjax.batchnorm import BatchNormContext, linen_interceptor
+from trjax.collectives import as_varying
 from trjax.metrics import batch_metrics
-from trjax.state import state_specs
-from trjax.steps import apply_gradients, batch_spec, example_losses
+from trjax.objective import StepOptions, example_losses
+from trjax.parallel.layout import Layout, check_bn_mode
 
 
 # -- the stages: contiguous runs of residual blocks ---------------------------------------
-
-
-def block_layout(module: models.ResNet, image_shape: Sequence[int]) -> list[dict]:
-    """The residual blocks of a :class:`trjax.models.ResNet` in call order, with
-    their shapes and multiply-accumulates per example.
-
-    Args:
-      module: a ResNet (``models.create_model(...)``); ``BasicBlock`` or
-        ``Bottleneck``.
-      image_shape: ``(H, W, C)`` of one input image.
-
-    Returns:
-      ``[{"name": "stage1_block1", "stage": i, "index": j, "strides": s,
-      "in_shape": (H, W, C), "out_shape": (H', W', C'), "macs": int}]``; the
-      stem's MACs are added to the first block (``"stem_macs"`` there), the
-      head's to the last (``"head_macs"``). Convolution MACs only (BatchNorm,
-      ReLU and pooling are not counted).
-
-    Raises:
-      ValueError: ``module`` is not a ResNet, or has an unknown block type.
-    """
-    if not isinstance(module, models.ResNet):
-        raise ValueError(f"pipeline stages are defined for trjax.models.ResNet, got "
-                         f"{type(module).__name__}")
-    if module.block not in (models.BasicBlock, models.Bottleneck):
-        raise ValueError(f"unknown ResNet block {module.block!r}")
-    h, w, c = (int(v) for v in image_shape)
-    half = lambda v: -(-v // 2)  # 'SAME' / padding 1, stride 2
-    if module.stem == "imagenet":
-        h, w = half(h), half(w)
-        stem = h * w * 49 * c * module.stem_width
-        h, w = half(h), half(w)  # max-pool 3x3 stride 2, padding 1
-    else:
-        stem = h * w * 9 * c * module.stem_width
-    c = module.stem_width
-    blocks = []
-    for i, (n_blocks, width) in enumerate(zip(module.stage_sizes, module.widths)):
-        for j in range(n_blocks):
-            s = 2 if i > 0 and j == 0 else 1
-            ho, wo = (half(h), half(w)) if s == 2 else (h, w)
-            if module.block is models.BasicBlock:
-                out = width
-                macs = ho * wo * 9 * c * width + ho * wo * 9 * width * width
-            else:
-                out = 4 * width
-                macs = h * w * c * width + ho * wo * 9 * width * width + ho * wo * width * out
-            if c != out or s != 1:
-                macs += ho * wo * c * out
-            blocks.append({"name": f"stage{i + 1}_block{j + 1}", "stage": i, "index": j,
-                           "strides": s, "in_shape": (h, w, c), "out_shape": (ho, wo, out),
-                           "macs": int(macs)})
-            h, w, c = ho, wo, out
-    if not blocks:
-        raise ValueError("the ResNet has no residual block to split into stages")
-    blocks[0]["stem_macs"] = int(stem)
-    blocks[0]["macs"] += int(stem)
-    head = c * module.num_classes
-    blocks[-1]["head_macs"] = int(head)
-    blocks[-1]["macs"] += int(head)
-    return blocks
 
 
 def balanced_split(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
@@ -210,11 +153,14 @@ def plan_stages(module: models.ResNet, image_shape: Sequence[int], num_stages: i
       A :class:`StagePlan` (each stage's MAC share in ``shares``).
 
     Raises:
-      ValueError: from :func:`block_layout` / :func:`balanced_split`; ``starts``
+      ValueError: from :meth:`trjax.models.ResNet.blocks_info` / :func:`balanced_split`; ``starts``
         of the wrong length, naming an unknown block or the first block, or out
         of order.
     """
-    layout = block_layout(module, image_shape)
+    if not isinstance(module, models.ResNet):
+        raise ValueError(f"pipeline stages are defined for trjax.models.ResNet, got "
+                         f"{type(module).__name__}")
+    layout = module.blocks_info(image_shape)
     names = [b["name"] for b in layout]
     costs = [b["macs"] for b in layout]
     if starts is None:
@@ -276,7 +222,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     leaves). The parameters are cast to varying over both axes here (if they are
     not already), so every result is this device's own part; summing over
     ``stage_axis`` (e.g. the gradient exchange run over ``(data, stage)``) gives
-    what :func:`trjax.steps.forward_backward` with ``grad_accumulation_steps =
+    what :func:`trjax.objective.forward_backward` with ``grad_accumulation_steps =
     num_microbatches`` returns on that data rank.
 
     Args:
@@ -298,7 +244,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         (untested). The model's BatchNorm mode and axis name must match.
       data_axis, stage_axis: the mesh axis names.
       loss_fn, label_smoothing: the per-example loss
-        (:func:`trjax.steps.example_losses`); default softmax cross-entropy.
+        (:func:`trjax.objective.example_losses`); default softmax cross-entropy.
       remat: ``jax.checkpoint`` each stage call (the backward recomputes the
         stage; stored per tick: its inputs only).
       bubble_fill: the value bubble slots' input buffers hold before masking
@@ -310,7 +256,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
 
     Returns:
       ``(grads, sums [4] float32, bn_sums, rules)`` as
-      :func:`trjax.steps.forward_backward`, per device: ``grads`` (the full
+      :func:`trjax.objective.forward_backward`, per device: ``grads`` (the full
       tree, float32) are nonzero only on the leaves of this device's stage;
       ``sums`` (``[loss_sum, top1, top5, count]``) are nonzero on the last
       stage only; ``bn_sums`` (every BatchNorm's ``{"sums": [2C+1]}``) hold this
@@ -323,43 +269,54 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         for another stage count than the mesh's; more stages than blocks.
     """
     net = models.as_network(model)
-    module = net.module
+    S = lax.axis_size(stage_axis) if num_stages is None else int(num_stages)
+    M = int(num_microbatches)
+    _check_schedule(net.module, bn_mode, batch["image"].shape[0], M, S, schedule)
+    if plan is None:
+        plan = plan_stages(net.module, batch["image"].shape[1:], S)
+    if plan.num_stages != S:
+        raise ValueError(f"the stage plan has {plan.num_stages} stages, the mesh axis "
+                         f"{stage_axis!r} {S}")
+    rules: dict = {}
+    run_stage = _stage_runner(stage_modules(net.module, plan), plan, batch_stats, bn_mode,
+                              data_axis, remat, rules)
+    lp = _loop(net, batch, params, run_stage, S, M, bn_mode, (data_axis, stage_axis),
+               bubble_fill)
+    branches = [_forward_branch(k, run_stage, lp, loss_fn, label_smoothing) for k in range(S)]
+    p = jax.tree_util.tree_map(lambda a: as_varying(a, lp.axes), params)
+    if schedule == "1f1b":
+        grads, sums, bn_sums = _one_f_one_b(
+            p, branches, run_stage, lp,
+            lambda y, label, mask: _loss_sum(y, label, mask, loss_fn, label_smoothing,
+                                             loss_scale))
+    else:
+        grads, sums, bn_sums = _gpipe(p, branches, lp, loss_scale)
+    models.check_batch_stats(batch_stats, rules)
+    return grads, sums, bn_sums, rules
+
+
+def _check_schedule(module, bn_mode: str, rows: int, M: int, S: int, schedule: str) -> None:
+    """The checks :func:`pipeline_forward_backward` makes while tracing."""
     if not isinstance(module, models.ResNet):
         raise ValueError(f"the pipeline splits trjax.models.ResNet models, got "
                          f"{type(module).__name__}")
     if module.bn_mode != bn_mode:
         raise ValueError(f"the model's BatchNorm mode {module.bn_mode!r} differs from "
                          f"bn_mode {bn_mode!r}")
-    axes = (data_axis, stage_axis)
-    S = lax.axis_size(stage_axis) if num_stages is None else int(num_stages)
-    image = batch["image"]
-    L = image.shape[0]
-    M = int(num_microbatches)
-    if M < 1 or L % M:
-        raise ValueError(f"the local batch of {L} rows does not split into {M} micro-batches")
+    if M < 1 or rows % M:
+        raise ValueError(f"the local batch of {rows} rows does not split into {M} micro-batches")
     if M < S:
         raise ValueError(f"{M} micro-batches cannot fill {S} stages: use at least {S} "
                          f"(GPipe's rule of thumb: {4 * S})")
     if schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule {schedule!r} is not one of {SCHEDULES}")
-    if plan is None:
-        plan = plan_stages(module, image.shape[1:], S)
-    if plan.num_stages != S:
-        raise ValueError(f"the stage plan has {plan.num_stages} stages, the mesh axis "
-                         f"{stage_axis!r} {S}")
-    mods = stage_modules(module, plan)
-    mu = L // M
-    T = M + S - 1
-    rules: dict = {}
 
-    x = models.normalize(image, net.mean, net.std, net.dtype)
-    pad = lambda a, v: jnp.concatenate(
-        [a.reshape((M, mu) + a.shape[1:]),
-         jnp.full((S - 1, mu) + a.shape[1:], v, a.dtype)], axis=0)
-    images = pad(x, bubble_fill)                       # [T, mu, H, W, C]
-    labels = pad(batch["label"], 0)                    # [T, mu]
-    masks = pad(batch["mask"].astype(jnp.float32), 0)  # [T, mu]
 
+def _stage_runner(mods, plan: StagePlan, batch_stats, bn_mode: str, data_axis: str,
+                  remat: bool, rules: dict):
+    """``run_stage(k, params, x_in, mask) -> (y, bn_sums)``: stage ``k``'s module on
+    its own subtrees (``jax.checkpoint``-ed with ``remat``); every BatchNorm's
+    running rule lands in ``rules``."""
     def run_stage(k, p, x_in, mask):
         names = plan.names(k)
         ctx = BatchNormContext(bn_mode, data_axis, mask)
@@ -374,56 +331,60 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         out = (jax.checkpoint(call) if remat else call)(p, x_in, mask)
         rules.update(ctx.rules)
         return out
+    return run_stage
 
-    # shapes of every boundary (stage b's output, stage b+1's input) and of each stage's sums
-    def abstract(k, x_shape, x_dtype):
-        return jax.eval_shape(lambda p, xi, m: run_stage(k, p, xi, m), params,
-                              jax.ShapeDtypeStruct(x_shape, x_dtype),
-                              jax.ShapeDtypeStruct((mu,), jnp.float32))
+
+def _loop(net, batch, params, run_stage, S: int, M: int, bn_mode: str, axes: tuple,
+          bubble_fill: float) -> "_Loop":
+    """The micro-batches (standardised, the last ``S - 1`` slots bubbles) and the
+    boundaries' shapes (traced abstractly, stage by stage) the loops share."""
+    image = batch["image"]
+    mu = image.shape[0] // M
+    x = models.normalize(image, net.mean, net.std, net.dtype)
+    pad = lambda a, v: jnp.concatenate(
+        [a.reshape((M, mu) + a.shape[1:]),
+         jnp.full((S - 1, mu) + a.shape[1:], v, a.dtype)], axis=0)
+    images = pad(x, bubble_fill)                       # [T, mu, H, W, C]
     shapes, bn_shapes = [], {}
     cur = (images.shape[1:], images.dtype)
-    for k in range(S):
-        y, sums_k = abstract(k, *cur)
+    for k in range(S):  # every boundary (stage b's output, b+1's input) and each stage's sums
+        y, sums_k = jax.eval_shape(lambda p, xi, m, k=k: run_stage(k, p, xi, m), params,
+                                   jax.ShapeDtypeStruct(*cur),
+                                   jax.ShapeDtypeStruct((mu,), jnp.float32))
         bn_shapes.update(sums_k)
         if k < S - 1:
             shapes.append(y)
             cur = (y.shape, y.dtype)
     # sync mode's sums come out of a psum over data: the same on every data rank, typed so
     # (the step then all-reduces them over the stage axis only)
-    bn_axes = (stage_axis,) if bn_mode == "sync" else axes
+    bn_axes = (axes[1],) if bn_mode == "sync" else axes
     zeros_bn = lambda: jax.tree_util.tree_map(
         lambda s: as_varying(jnp.zeros(s.shape, s.dtype), bn_axes), bn_shapes)
     zeros_buf = lambda b, v=0.0: as_varying(jnp.full(shapes[b].shape, v, shapes[b].dtype), axes)
+    return _Loop(S, M, mu, axes, axes[1], lax.axis_index(axes[1]), shapes, zeros_bn, zeros_buf,
+                 images, pad(batch["label"], 0), pad(batch["mask"].astype(jnp.float32), 0),
+                 bubble_fill, bn_axes)
 
-    def branch(k):
-        def fn(p, inputs, mask, label, valid):
-            x_in = jnp.where(valid, inputs[k], jnp.zeros_like(inputs[k]))  # select, NaN-safe
-            y, own = run_stage(k, p, x_in, mask)
-            bn = zeros_bn()
-            bn.update(own)
-            bn = jax.tree_util.tree_map(lambda a: as_varying(a, bn_axes), bn)
-            outs = [zeros_buf(b) for b in range(S - 1)]
-            if k < S - 1:
-                outs[k] = as_varying(y.astype(shapes[k].dtype), axes)
-                sums = jnp.zeros((4,), jnp.float32)
-            else:
-                sums = _loss_sum(y, label, mask, loss_fn, label_smoothing, None)[0]
-            return tuple(outs), as_varying(sums, axes), bn
-        return fn
 
-    branches = [branch(k) for k in range(S)]
-    lp = _Loop(S, M, mu, axes, stage_axis, lax.axis_index(stage_axis), shapes, zeros_bn,
-               zeros_buf, images, labels, masks, bubble_fill)
-    p = jax.tree_util.tree_map(lambda a: as_varying(a, axes), params)
-    if schedule == "1f1b":
-        grads, sums, bn_sums = _one_f_one_b(
-            p, branches, run_stage, lp,
-            lambda y, label, mask: _loss_sum(y, label, mask, loss_fn, label_smoothing,
-                                             loss_scale))
-    else:
-        grads, sums, bn_sums = _gpipe(p, branches, lp, loss_scale)
-    models.check_batch_stats(batch_stats, rules)
-    return grads, sums, bn_sums, rules
+def _forward_branch(k: int, run_stage, lp: "_Loop", loss_fn, label_smoothing):
+    """Stage ``k``'s forward slot: ``(params, inputs, mask, label, valid) -> (outs,
+    sums, bn)``; a bubble's input is replaced by zeros by select (NaN-safe)."""
+    S = lp.S
+
+    def fn(p, inputs, mask, label, valid):
+        x_in = jnp.where(valid, inputs[k], jnp.zeros_like(inputs[k]))  # select, NaN-safe
+        y, own = run_stage(k, p, x_in, mask)
+        bn = lp.zeros_bn()
+        bn.update(own)
+        bn = jax.tree_util.tree_map(lambda a: as_varying(a, lp.bn_axes), bn)
+        outs = [lp.zeros_buf(b) for b in range(S - 1)]
+        if k < S - 1:
+            outs[k] = as_varying(y.astype(lp.shapes[k].dtype), lp.axes)
+            sums = jnp.zeros((4,), jnp.float32)
+        else:
+            sums = _loss_sum(y, label, mask, loss_fn, label_smoothing, None)[0]
+        return tuple(outs), as_varying(sums, lp.axes), bn
+    return fn
 
 
 def _gpipe(p, branches, lp: "_Loop", loss_scale):
@@ -486,6 +447,7 @@ class _Loop:
     labels: jax.Array     # [M + S - 1, mu]
     masks: jax.Array      # [M + S - 1, mu] (0 in the bubbles)
     fill: float           # the value unused buffers start with (bubble_fill)
+    bn_axes: tuple        # the axes the BN sums vary over
 
 
 def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
@@ -507,7 +469,7 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
 
     Returns ``(grads, sums, bn_sums)`` as :func:`pipeline_forward_backward`.
     """
-    S, M, mu, axes, stage = lp.S, lp.M, lp.mu, lp.axes, lp.stage
+    S, M, axes, stage = lp.S, lp.M, lp.axes, lp.stage
     in_shapes = [lp.images.shape[1:]] + [b.shape for b in lp.shapes]
     in_dtypes = [lp.images.dtype] + [b.dtype for b in lp.shapes]
     width = max(math.prod(s) for s in in_shapes)
@@ -622,59 +584,99 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
         raise ValueError(f"{starts_what}: {e}") from e
 
 
-def make_train_step(model, exchange, plan, world, bn_mode: str, num_microbatches: int,
-                    stages: StagePlan | None = None, remat: bool = True,
-                    schedule: str = "gpipe", dynamic_loss_scale: bool = False, growth_interval: int = 2000,
-                    loss_fn=None, label_smoothing: float = 0.0):
-    """``train_step(state, batch) -> (state, StepMetrics)`` on a ``("data",
-    "stage")`` world: GPipe (:func:`pipeline_forward_backward`), then the
-    data-parallel tail (:func:`trjax.steps.apply_gradients`).
-
-    The parameters are replicated over ``stage`` (design v1): a device's
-    gradient is nonzero on its stage's leaves only, so the two-bucket
-    exchange runs unchanged over ``("data", "stage")`` (deep bucket first,
-    the metrics inside it: the last stage's sums) and every device ends the
-    step with the same parameters. The BN sums: ``running`` mode all-reduces
-    them over ``("data", "stage")`` (the seed's one STATS_COMM); ``sync``
-    mode already summed each micro-batch's over ``data`` in the forward, and
-    all-reduces them over ``stage`` only. Each summed BN layer is owned by one
-    stage, so every device commits the same running statistics.
-
-    Args:
-      model, exchange, plan, world: as :func:`trjax.steps.make_train_step`;
-        ``world`` has axes ``("data", "stage")``; ``exchange`` must reduce with
-        ``lax.psum`` (``allreduce="xla"``, no compression, no ZeRO-1: the
-        trainer checks it).
-      bn_mode: ``running`` or ``sync``.
-      num_microbatches: M per step (each of ``local / M`` rows).
-      stages: the split (:func:`plan_stages`); ``None``: balanced.
-      remat: GPipe: recompute each stage in the backward (store its inputs only).
-      schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
-      dynamic_loss_scale, growth_interval, loss_fn, label_smoothing: as
-        :func:`trjax.steps.make_train_step`.
+def _forward_backward(network, stages: StagePlan, num_microbatches: int, bn_mode: str,
+                      data_axis: str, num_stages: int, remat: bool, schedule: str,
+                      params, batch_stats, batch, options: StepOptions, loss_scale, rng):
+    """The layout's ``forward_backward``: :func:`pipeline_forward_backward` with
+    the schedule bound (``rng`` unused: trjax's ResNets draw no randomness).
 
     Raises:
-      ValueError: ``bn_mode`` other than running/sync, or a world without a
-        ``stage`` axis.
+      ValueError (while tracing): ``options`` asking for gradient accumulation
+        (the micro-batches are the pipeline's accumulation) or mixup / cutmix
+        (they mix rows across a micro-batch).
     """
-    if bn_mode not in ("running", "sync"):
-        raise ValueError(f"bn_mode={bn_mode!r}: a pipeline keeps one set of running statistics "
-                         "(running or sync), not one row per replica")
-    names = [n for n, _ in world.axes]
-    if "stage" not in names:
+    del rng
+    if options.grad_accumulation_steps != 1 or options.mixup_alpha or options.cutmix_alpha:
+        raise ValueError(f"a pipeline's step takes no grad_accumulation_steps (its "
+                         f"{num_microbatches} micro-batches are its accumulation) and no "
+                         f"mixup/cutmix; got {options}")
+    return pipeline_forward_backward(
+        network, params, batch_stats, batch, num_microbatches, stages, loss_scale, bn_mode,
+        data_axis, "stage", num_stages, options.loss_fn, options.label_smoothing, remat,
+        schedule=schedule)
+
+
+def boundary_traffic(module, image_shape, stages: StagePlan, num_microbatches: int,
+                     local_batch: int, itemsize: int) -> dict:
+    """The GPipe point-to-point model of one step (:func:`trjax.comm.pipeline_bytes`'s
+    formula ``sum_b 2 M mu |a_b|``): useful bytes per data replica's pipeline, and
+    what the loop issues (M + S - 1 permutes per boundary and direction).
+
+    Args:
+      module: the :class:`trjax.models.ResNet`; image_shape: ``(H, W, C)``.
+      stages: the split; num_microbatches: M; local_batch: rows per data rank.
+      itemsize: bytes per activation element (2 for bf16 / fp16, 4 for fp32).
+    """
+    blocks = module.blocks_info(image_shape)
+    shapes = [blocks[hi - 1]["out_shape"] for _, hi in stages.bounds[:-1]]
+    m, mu = num_microbatches, local_batch // num_microbatches
+    useful = comm.pipeline_bytes(m, mu, shapes, itemsize)
+    return {"formula": "sum_b 2 M mu |a_b|", "microbatches": m, "micro_batch": mu,
+            "boundary_shapes": [list(x) for x in shapes], "useful_bytes": useful,
+            "issued_bytes": useful * (m + stages.num_stages - 1) // m}
+
+
+def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches: int = 0,
+           stages: StagePlan | None = None, remat: bool = True,
+           schedule: str = "gpipe") -> Layout:
+    """The pipeline :class:`Layout` on a ``("data", "stage")`` world.
+
+    The parameters are replicated over ``stage`` (design v1): a device's
+    gradient is nonzero on its stage's leaves only, so the two-bucket exchange
+    runs unchanged over ``("data", "stage")`` (deep bucket first, the metrics
+    inside it: the last stage's sums) and every device ends the step with the
+    same parameters. The BN sums: ``running`` mode all-reduces them over
+    ``("data", "stage")`` (the seed's one STATS_COMM); ``sync`` mode already
+    summed each micro-batch's over ``data`` in the forward, and all-reduces
+    them over ``stage`` only. Each summed BN layer is owned by one stage, so
+    every device commits the same running statistics. The exchange must reduce
+    with ``lax.psum`` (``allreduce="xla"``, no compression, no ZeRO-1:
+    :func:`trjax.parallel.check_config`).
+
+    Args:
+      model: a trjax ResNet (bare or in a :class:`trjax.models.Network`).
+      world: a world with a ``stage`` axis; image_shape: ``(H, W, C)``.
+      bn_mode: ``running`` or ``sync``.
+      num_microbatches: M per step (each of ``local / M`` rows); 0: ``4 S``.
+      stages: the split (:func:`check_pipeline`); ``None``: balanced by MACs.
+      remat: GPipe: recompute each stage in the backward (store its inputs only).
+      schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
+
+    Raises:
+      ValueError: ``bn_mode`` other than running/sync, a world without a
+        ``stage`` axis, or what :func:`check_pipeline` raises.
+    """
+    check_bn_mode(bn_mode, ("running", "sync"), "a 'stage' axis (a pipeline keeps one set "
+                  "of running statistics, not one row per replica)")
+    sizes = dict(world.axes)
+    if "stage" not in sizes:
         raise ValueError(f"the world's mesh {world.axes} has no 'stage' axis")
-    data, grad_axis = world.axis_name, (world.axis_name, "stage")
-    stats = ("running", grad_axis) if bn_mode == "running" else ("running", "stage")
-    S = dict(world.axes)["stage"]
-
-    def local_step(state, batch):
-        scale = state.loss_scale if dynamic_loss_scale else None
-        grads, sums, bn_sums, rules = pipeline_forward_backward(
-            model, state.params, state.batch_stats, batch, num_microbatches, stages, scale,
-            bn_mode, data, "stage", S, loss_fn, label_smoothing, remat, schedule=schedule)
-        return apply_gradients(state, grads, sums, bn_sums, rules, plan, exchange, grad_axis,
-                               bn_mode, stats, dynamic_loss_scale, growth_interval)
-
-    specs = state_specs(bn_mode, data, exchange)
-    return jax.shard_map(local_step, mesh=world.mesh, in_specs=(specs, batch_spec(data)),
-                         out_specs=(specs, jax.sharding.PartitionSpec()), check_vma=True)
+    net, data, S = models.as_network(model), world.axis_name, sizes["stage"]
+    M = num_microbatches or 4 * S
+    if stages is None:
+        stages = check_pipeline(net.module, image_shape, S, world.local_batch_size, M)
+    fb = functools.partial(_forward_backward, net, stages, M, bn_mode, data, S, remat, schedule)
+    line = (f"pipeline: {S} stages x {M} micro-batches ({schedule}), stage MAC shares "
+            + "/".join(f"{100 * x:.1f}%" for x in stages.shares)
+            + f" (max/mean {stages.imbalance:.2f}), stages begin at "
+            + ", ".join(stages.blocks[lo] for lo, _ in stages.bounds))
+    traffic = functools.partial(boundary_traffic, net.module, tuple(image_shape), stages, M,
+                                world.local_batch_size)
+    return Layout(world=world, model=net, network=net, image_shape=tuple(image_shape),
+                  bn_mode=bn_mode, forward_backward=fb, grad_axes=(data, "stage"),
+                  bn_reduce_axes=(data, "stage") if bn_mode == "running" else "stage",
+                  kind="pipeline", line=line, point_to_point=traffic,
+                  collective_labels={"stage": {
+                      "collective-permute": "pipeline:boundary activation / cotangent"}},
+                  details={"pipeline_microbatches": M,
+                           "pipeline_stage_shares": list(stages.shares)})

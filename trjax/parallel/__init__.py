@@ -1,0 +1,26 @@
+"""Parallelism's home: one :class:`Layout` per mesh, the only code that reads
+axis names.
+
+A layout says what a mesh means for the train state and the step: the
+per-device network, the state's and the batch's ``PartitionSpec`` trees, the
+axes the gradient buckets and the BN sums are reduced over, and ONE
+``forward_backward`` with one signature, which :func:`trjax.steps.make_train_step`
+calls whatever the mesh. Constructors:
+
+* :func:`data_parallel` (``data`` only);
+* :func:`trjax.parallel.tensor.layout` (``data`` x ``model``: Megatron tensor
+  parallelism of trjax's ResNets, the layers and mappings in :mod:`trjax.tensor`);
+* :func:`trjax.parallel.pipeline.layout` (``data`` x ``stage``: GPipe / 1F1B);
+
+and :func:`from_config` chooses by ``config.mesh``. Import rule (tested):
+this package imports the modules below the step (models, objective,
+batchnorm, collectives, tensor, comm), never :mod:`trjax.steps`,
+:mod:`trjax.train` or :mod:`trjax.data`; those read a layout's fields and
+never import this package, except the trainer (:mod:`trjax.train`), which
+builds the layout.
+"""
+
+from trjax.parallel import pipeline, tensor  # noqa: F401
+from trjax.parallel.layout import Layout, data_parallel, like_params  # noqa: F401
+from trjax.parallel.mesh import (check_config, from_config, mesh_sizes,  # noqa: F401
+                                 pipeline_microbatches)

@@ -1,0 +1,136 @@
+"""From a config's mesh to its :class:`~trjax.parallel.layout.Layout`, and the
+checks a model-parallel mesh makes before anything is traced.
+
+The one place that reads a mesh's axis names: ``data`` only is
+:func:`~trjax.parallel.layout.data_parallel`, a ``stage`` axis
+:func:`trjax.parallel.pipeline.layout`, a ``model`` axis
+:func:`trjax.parallel.tensor.layout`.
+"""
+
+from __future__ import annotations
+
+from trjax.parallel import pipeline, tensor
+from trjax.parallel.layout import Layout, data_parallel
+
+
+def mesh_sizes(config) -> dict:
+    """``{axis: size}`` of ``config.mesh`` (``{}`` for the 1-D default "")."""
+    from trjax.world import parse_mesh  # noqa: PLC0415
+    return dict(parse_mesh(config.mesh)) if config.mesh else {}
+
+
+def pipeline_microbatches(config) -> int:
+    """M: ``config.pipeline_microbatches``, or 4 x stages when it is 0 (GPipe's
+    rule of thumb, Huang et al. 2019: the bubble is small for M >= 4 S)."""
+    return config.pipeline_microbatches or 4 * mesh_sizes(config).get("stage", 1)
+
+
+def from_config(config, world, model, image_shape, tx=None) -> Layout:
+    """The :class:`Layout` of ``config.mesh`` for ``model`` (a
+    :class:`trjax.models.Network`), with the config's names in every message.
+
+    Raises:
+      ValueError: your own optimizer (``tx``) on a ``model`` axis (a norm over a
+        split layer would be per slice); what the constructors raise (not a trjax
+        ResNet, channels that do not divide, micro-batches that do not fit, bad
+        stage starts), before anything is traced.
+    """
+    sizes = dict(world.axes)
+    if "stage" in sizes:
+        return pipeline.layout(model, world, image_shape, config.bn_mode,
+                               pipeline_microbatches(config),
+                               _stage_plan(config, world, model, image_shape),
+                               remat=config.pipeline_remat, schedule=config.pipeline_schedule)
+    if "model" in sizes:
+        if tx is not None:
+            raise ValueError(f"tx= (your own optimizer) on config.mesh={config.mesh!r}: with a "
+                             "'model' axis it would see each device's slice of a split layer, so "
+                             "a norm over a layer or all leaves (clipping, LARS) would be per "
+                             "slice; use config.optimizer='sgd' or 'adamw', or a mesh without "
+                             "'model'")
+        return tensor.layout(model, world, image_shape, config.bn_mode)
+    return data_parallel(model, world, image_shape, config.bn_mode)
+
+
+def _stage_plan(config, world, model, image_shape) -> pipeline.StagePlan:
+    """The pipeline's stage plan, checked with the config's names in every message."""
+    S, M = dict(world.axes)["stage"], pipeline_microbatches(config)
+    starts = [b.strip() for b in config.pipeline_stage_starts.split(",") if b.strip()]
+    what = (f"config.pipeline_microbatches={M}" if config.pipeline_microbatches else
+            f"config.pipeline_microbatches=0 (the default: 4 x {S} stages = {M})")
+    return pipeline.check_pipeline(
+        model.module, image_shape, S, world.local_batch_size, M, starts or None, what=what,
+        starts_what=f"config.pipeline_stage_starts={config.pipeline_stage_starts!r}")
+
+
+def check_config(config, own_model: bool, builtin_models=()) -> None:
+    """The combinations a model-parallel mesh allows, before anything is traced.
+
+    A ``stage`` axis (pipeline, :mod:`trjax.parallel.pipeline`) or a ``model``
+    axis (tensor parallel, :mod:`trjax.parallel.tensor`) runs the built-in
+    ResNets with BN in ``running`` or ``sync`` mode, XLA's all-reduce
+    (``lax.psum`` over the axes), no compression and no ZeRO-1; a pipeline's
+    micro-batches replace ``grad_accumulation_steps``, and mixup/cutmix (which
+    mix rows across a micro-batch) are not supported on it; tensor parallelism
+    needs an elementwise optimizer (a split layer's norm would need a sum over
+    ``model``: no LARS, no ``grad_clip_norm``). The pipeline keys are an error
+    without a ``stage`` axis.
+
+    Args:
+      config: the run's config (its ``mesh`` already parsed once).
+      own_model: ``config.model`` is an import path (the user's model).
+      builtin_models: the built-in model names, for the message.
+
+    Raises:
+      ValueError: naming the key, its value and the fix.
+    """
+    c, sizes = config, mesh_sizes(config)
+    stage, model = "stage" in sizes, "model" in sizes  # size 1 too: a GPU's 1 x 1 check
+    _check_pipeline_keys(c, stage)
+    if not (stage or model):
+        return
+    if stage and model:
+        raise ValueError(f"config.mesh={c.mesh!r}: pipeline and tensor parallelism together "
+                         "(a 3-D mesh) are not supported yet; use 'data:D,stage:S' or "
+                         "'data:D,model:T'")
+    kind = "a 'stage' axis (pipeline)" if stage else "a 'model' axis (tensor parallel)"
+    if own_model:
+        raise ValueError(f"config.mesh={c.mesh!r}: {kind} splits trjax's own ResNets; "
+                         f"config.model={c.model!r} is your own model: use a built-in model "
+                         f"({sorted(builtin_models)}) or a mesh with the data axis only")
+    wants = [("bn_mode", c.bn_mode in ("running", "sync"), "'running' or 'sync'"),
+             ("allreduce", c.allreduce == "xla", "'xla'"),
+             ("compression", c.compression == "none", "'none'"),
+             ("shard_optimizer_state", not c.shard_optimizer_state, "False")]
+    if stage:
+        wants += [("grad_accumulation_steps", c.grad_accumulation_steps == 1,
+                   "1 (the pipeline's micro-batches are its accumulation: "
+                   "config.pipeline_microbatches)"),
+                  ("mixup_alpha", not c.mixup_alpha, "0"), ("cutmix_alpha", not c.cutmix_alpha, "0")]
+    if model:
+        wants += [("optimizer", c.optimizer in ("sgd", "adamw"), "'sgd' or 'adamw'"),
+                  ("grad_clip_norm", not c.grad_clip_norm, "0")]
+    for key, ok, fix in wants:
+        if not ok:
+            raise ValueError(f"config.{key}={c[key]!r} is not supported with {kind} "
+                             f"(config.mesh={c.mesh!r}): set it to {fix}, or use a mesh with "
+                             "the data axis only")
+
+
+def _check_pipeline_keys(c, stage: bool) -> None:
+    """The pipeline's own keys: well formed, and set only on a ``stage`` mesh."""
+    if stage and c.pipeline_schedule == "1f1b" and not c.pipeline_remat:
+        raise ValueError("config.pipeline_remat=False applies to pipeline_schedule='gpipe': "
+                         "1f1b always recomputes each stage in its backward slot; leave "
+                         "pipeline_remat=True or use gpipe")
+    starts = str(c.pipeline_stage_starts)
+    if starts.strip() and any(not b.strip() for b in starts.split(",")):
+        raise ValueError(f"config.pipeline_stage_starts={starts!r} has an empty item: give "
+                         "block names separated by commas, e.g. 'stage2_block1,stage3_block1'")
+    if not stage:
+        for key, off in (("pipeline_microbatches", 0), ("pipeline_stage_starts", ""),
+                         ("pipeline_schedule", "gpipe"), ("pipeline_remat", True)):
+            if c[key] != off:
+                raise ValueError(f"config.{key}={c[key]!r} applies to a mesh with a 'stage' "
+                                 f"axis (config.mesh={c.mesh!r}); set it to {off!r} or use e.g. "
+                                 "mesh='data:2,stage:4'")
