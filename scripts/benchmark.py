@@ -11,6 +11,7 @@ CPU profile, time to accuracy.
   # AMP bf16 + channels_last DDP (NCCL) on the same GPUs and global batch
   python scripts/benchmark.py --gpu [--peak_tflops 989]
   python scripts/benchmark.py --gpu --dry_run  # the same code path on CPU, tiny sizes
+  python scripts/benchmark.py --gpu --xla_ab [--dry_run]  # XLA settings side by side
 
   # CPU profiling: XLA flags, device counts, host input, side by side
   python scripts/benchmark.py --profile [--steps 3 --rounds 3]
@@ -105,6 +106,10 @@ def main(argv=None) -> int:
     if a.parallel:
         from benchmarking.parallel import parallel
         parallel(a)
+        return 0
+    if a.gpu and a.xla_ab:
+        from benchmarking import gpu
+        gpu.xla_ab(a)
         return 0
     if a.gpu:
         from benchmarking import gpu

@@ -1,28 +1,41 @@
 """One command that checks trjax on a GPU node and writes every figure to one JSON.
 
-  python scripts/gpu_check.py OUT_DIR              # on the GPU node (< 8 min on one H200)
+  python scripts/gpu_check.py OUT_DIR              # on the GPU node (< 9 min on one H200)
   python scripts/gpu_check.py OUT_DIR --dry-run    # the same code path on CPU, tiny sizes
 
 Parts, each in its own process (a failing part is recorded and the next one
 runs; the parent never touches the GPU):
 
 1. ``devices``: ``jax.devices()``, jax/jaxlib/Python versions, device kind.
-2. ``main_job``: ``scripts/train.py --config configs/default.py`` for 2 epochs
+2. ``prediction``: made on the CPU (this part never sees the GPU): XLA's cost
+   analysis (FLOPs, bytes) of the ResNet-50 bf16 train step at batch 256 on one
+   device and of the main job's step, compiled for the CPU, against the H200's
+   roofline (989 TFLOP/s bf16 dense, 4.8 TB/s): the predicted step time and
+   whether it is compute- or memory-bound (``benchmarking.predict``). The
+   parent prints it against the ``xla_flags`` part's default variant at the end.
+3. ``main_job``: ``scripts/train.py --config configs/default.py`` for 2 epochs
    (ResNet-20 on the digits; all GPUs): val top-1, images/s, compiles.
-3. ``comm_report``: ``scripts/comm_report.py --json`` on the main job's step
+4. ``comm_report``: ``scripts/comm_report.py --json`` on the main job's step
    compiled for the GPU (the same config: its programs load from the persistent
    compilation cache when the main job filled one): gradient all-reduces (two expected, deep bucket first), async
    start/done pairs, schedule positions. On one GPU the all-reduces have one
    participant; XLA may keep or drop them, and the JSON says which.
-4. ``benchmark``: ``scripts/benchmark.py --gpu``: ResNet-50, 224x224, bf16,
+5. ``benchmark``: ``scripts/benchmark.py --gpu``: ResNet-50, 224x224, bf16,
    trjax against torch.compile + AMP bf16 + channels_last DDP on the same
    GPUs (images/s, MFU; torch skipped with a message when not importable).
-5. ``syncbn``: SyncBatchNorm exactness: one trjax train step (``bn_mode=sync``,
+6. ``xla_flags``: ``scripts/benchmark.py --gpu --xla_ab``: the ResNet-50 bf16 step
+   at batch 256 on one GPU with the default XLA flags and three variants (the
+   latency-hiding scheduler, command buffers off, autotune level 0), each its
+   own process, interleaved rounds: images/s, MFU, compile s, XLA's memory
+   statistics, and whether the fastest beat the default beyond the spread.
+7. ``input``: ``scripts/bench_input.py``: the ImageFolder train path at 224
+   (decode, random-resized crop, flip), images/s per CPU core.
+8. ``syncbn``: SyncBatchNorm exactness: one trjax train step (``bn_mode=sync``,
    all devices) against the same update computed in one piece on one device
    without shard_map (flax BatchNorm over the whole batch, the same optax
    optimizer), fp32 with ``jax_default_matmul_precision=highest`` so that
    TF32 does not hide or fake a difference.
-6. ``model_parallel``: the main job's model for 2 epochs on a pipeline mesh
+9. ``model_parallel``: the main job's model for 2 epochs on a pipeline mesh
    (``data:N/k,stage:k``, GPipe) and a tensor-parallel mesh
    (``data:N/k,model:k``), ``k = min(N, 2)``: on one GPU ``k = 1``, the 1 x 1
    meshes, which compile and run the pipeline's tick loop and the split
@@ -58,8 +71,10 @@ REPO = os.path.dirname(HERE)
 RESULT = "GPU_CHECK_RESULT "  # a part's last stdout line: this prefix, then its JSON
 
 # (part, timeout in seconds on the GPU node); --budget_s caps their sum
-PARTS = (("devices", 45), ("main_job", 120), ("comm_report", 90), ("benchmark", 180),
-         ("syncbn", 60), ("model_parallel", 90))
+PARTS = (("devices", 45), ("prediction", 90), ("main_job", 120), ("comm_report", 90),
+         ("benchmark", 180), ("xla_flags", 150), ("input", 45), ("syncbn", 60),
+         ("model_parallel", 90))
+PART_ENV = {"prediction": {"JAX_PLATFORMS": "cpu"}}  # made on the CPU, before the GPU runs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -74,8 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="folder of carried wheels (scripts/offline_wheels.sh)")
     p.add_argument("--timeout_scale", type=float, default=1.0,
                    help="multiply every part's timeout (a slower or busier machine)")
-    p.add_argument("--budget_s", type=float, default=460.0,
-                   help="wall-clock budget of all parts together (default: under 8 minutes); a "
+    p.add_argument("--budget_s", type=float, default=500.0,
+                   help="wall-clock budget of all parts together (default: under 9 minutes); a "
                         "part gets at most what is left, the rest are recorded as skipped")
     p.add_argument("--part", default=None, help=argparse.SUPPRESS)  # internal: run one part
     a = p.parse_args(argv)
@@ -124,6 +139,7 @@ def run_part(a, name: str, timeout: float, env: dict) -> dict:
     """Runs one part as a child; returns its figures plus ``ok``, ``wall_s``,
     ``log``; a crash or timeout is ``ok: False`` with the log's tail."""
     log_path = os.path.join(a.out, f"{name}.log")
+    env = {**env, **PART_ENV.get(name, {})}
     cmd = [sys.executable, os.path.abspath(__file__), a.out, "--part", name]
     if a.dry_run:
         cmd.append("--dry-run")
@@ -179,9 +195,33 @@ def main(argv=None) -> int:
         report["ok"] = all(p["ok"] for p in report["parts"].values())
         with open(os.path.join(a.out, "gpu_check.json"), "w") as f:  # after every part
             json.dump(report, f, indent=2)
+    report["predicted_vs_measured"] = predicted_vs_measured(report["parts"])
+    with open(os.path.join(a.out, "gpu_check.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    for line in report["predicted_vs_measured"].get("lines", []):
+        print("gpu_check: " + line, flush=True)
     print(f"gpu_check: {'all parts passed' if report['ok'] else 'FAILED'} in "
           f"{report['wall_s']:.0f} s -> {os.path.join(a.out, 'gpu_check.json')}")
     return 0 if report["ok"] else 1
+
+
+def predicted_vs_measured(parts: dict) -> dict:
+    """The CPU-side prediction (``prediction``) set against what ran: the
+    ResNet-50 bf16 step at the A/B's batch against the ``xla_flags`` part's
+    default variant (the same model, batch and precision on one device)."""
+    pred, ab = parts.get("prediction", {}), parts.get("xla_flags", {})
+    bench = pred.get("benchmark_step")
+    default = (ab.get("variants") or {}).get("default") or {}
+    if not bench or "median_step_s" not in default:
+        return {"lines": [], "note": "needs the prediction and xla_flags parts"}
+    ratio = default["median_step_s"] / bench["predicted_step_s"]
+    line = (f"predicted {bench['predicted_step_s'] * 1e3:.2f} ms/step ({bench['bound']}-bound "
+            f"roofline, {bench['predicted_images_per_s']:.0f} img/s) against measured "
+            f"{default['median_step_s'] * 1e3:.2f} ms/step ({default['images_per_s']:.0f} img/s): "
+            f"{ratio:.2f}x the roofline, MFU {100 * default['mfu']:.3g}%")
+    return {"predicted_step_s": bench["predicted_step_s"], "bound": bench["bound"],
+            "measured_step_s": default["median_step_s"], "measured_over_predicted": ratio,
+            "lines": [line]}
 
 
 def summary_line(name: str, r: dict) -> str:
@@ -201,6 +241,21 @@ def summary_line(name: str, r: dict) -> str:
             return f"trjax {r['trjax_images_per_s']:.0f} img/s; torch skipped"
         return (f"trjax {r['trjax_images_per_s']:.0f} img/s, torch "
                 f"{r['torch_images_per_s']:.0f} img/s, ratio {r['trjax_over_torch']:.3f}")
+    if name == "prediction":
+        b = r["benchmark_step"]
+        return (f"{b['model']} bf16 batch {b['batch']}: {b['flops'] / 1e9:.1f} GFLOP, "
+                f"{b['bytes_accessed'] / 1e9:.2f} GB -> {b['predicted_step_s'] * 1e3:.2f} ms on "
+                f"{b['device']} ({b['bound']}-bound)")
+    if name == "xla_flags":
+        w = r["winner"]
+        return "; ".join(f"{n}: {v['images_per_s']:.0f} img/s" if "images_per_s" in v else
+                         f"{n}: failed" for n, v in r["variants"].items()) + \
+            f"; fastest {w['name']} (+{100 * (w.get('gain_over_default') or 0):.1f}%, spread " \
+            f"{100 * (w.get('spread') or 0):.1f}%)"
+    if name == "input":
+        if r.get("skipped"):
+            return r["skipped"]
+        return f"{r['images_per_s_per_core']:.0f} images/s per core at {r['image_size']}"
     if name == "syncbn":
         return (f"max rel diff of the update {r['update_max_rel']:.2e}, batch stats "
                 f"{r['batch_stats_max_rel']:.2e}, loss {r['loss_rel']:.2e}")
@@ -341,6 +396,74 @@ def part_benchmark(a) -> dict:
     return out
 
 
+def part_prediction(a) -> dict:
+    """The step-time prediction, made on the CPU (``JAX_PLATFORMS=cpu`` for this part):
+    XLA's cost analysis of the compiled train step on one device against the H200's
+    roofline (:mod:`benchmarking.predict`), for the ResNet-50 bf16 step at the
+    ``xla_flags`` part's batch and for the main job's step at its batch."""
+    from trjax.cpu import host
+    host.configure_cpu(1)
+    sys.path.insert(0, os.path.join(REPO, "configs"))
+    import default as default_config
+    from benchmarking.predict import predict
+    from trjax.data import input_pipeline
+    c = default_config.get_config()
+    digits = input_pipeline.load_dataset(c.dataset, c.data_dir, c.image_size)
+    if a.dry_run:
+        bench = predict("resnet8", (32, 32, 3), 10, 4)
+        main = predict("resnet8", digits.image_shape, digits.num_classes, 32)
+    else:
+        bench = predict("resnet50", (224, 224, 3), 1000, 256)
+        main = predict(c.model, digits.image_shape, digits.num_classes, c.global_batch_size)
+    ok = all(x["flops"] > 0 and x["bytes_accessed"] > 0 for x in (bench, main))
+    return {"ok": ok, "benchmark_step": bench, "main_job_step": main}
+
+
+def part_xla_flags(a) -> dict:
+    """``scripts/benchmark.py --gpu --xla_ab``: the ResNet-50 bf16 step at batch 256 on
+    one GPU with each XLA setting of ``benchmarking.gpu.XLA_VARIANTS``, interleaved."""
+    out_dir = os.path.join(a.out, "xla_ab")
+    args = ["scripts/benchmark.py", "--gpu", "--xla_ab", "--out", out_dir]
+    args += (["--dry_run", "--model", "resnet8", "--image", "32,32,3", "--num_classes", "10"]
+             if a.dry_run else ["--rounds", "3", "--steps", "10"])
+    proc = _script(a, args)
+    if proc.returncode != 0:
+        return {"ok": False, "error": f"scripts/benchmark.py --xla_ab exit {proc.returncode}"}
+    with open(os.path.join(out_dir, "xla_ab.json")) as f:
+        r = json.load(f)
+    variants = {n: {k: v.get(k) for k in ("images_per_s", "median_step_s", "mfu", "spread")
+                    if k in v} | {"compile_s": v["info"].get("compile_s"),
+                                  "memory": v["info"].get("memory"),
+                                  "flags": v["info"].get("flags"),
+                                  **({"error": v["info"]["error"]} if "error" in v["info"]
+                                     else {})}
+                for n, v in r["results"].items()}
+    ok = "images_per_s" in variants.get("default", {})
+    return {"ok": ok, "variants": variants, "winner": r["winner"], "meta": r["meta"]}
+
+
+def part_input(a) -> dict:
+    """``scripts/bench_input.py``: the ImageFolder train path (decode, random-resized
+    crop, flip) at 224, images/s per CPU core, to set against the GPU's images/s."""
+    if importlib.util.find_spec("PIL") is None:
+        return {"ok": True, "skipped": "Pillow is not importable: pip install pillow (the "
+                                       "ImageFolder path needs it); the input side not measured"}
+    path = os.path.join(a.out, "input.json")
+    # without grain the pipeline decodes in this process (0 workers): the same per-core cost
+    grain = importlib.util.find_spec("grain") is not None
+    workers = ("1" if a.dry_run else "1,4") if grain else "0"
+    n, size = (64, 64) if a.dry_run else (512, 224)
+    proc = _script(a, ["scripts/bench_input.py", "--synthetic", str(n), "--workers", workers,
+                       "--image_size", str(size), "--json", path])
+    if proc.returncode != 0:
+        return {"ok": False, "error": f"scripts/bench_input.py exit {proc.returncode}"}
+    with open(path) as f:
+        rows = json.load(f)["results"]
+    per_core = max(1000.0 / r["cpu_ms_per_image"] for r in rows if r["cpu_ms_per_image"] > 0)
+    return {"ok": per_core > 0, "image_size": size, "images_per_s_per_core": per_core,
+            "cores": os.cpu_count(), "grain": grain, "by_workers": rows}
+
+
 def part_syncbn(a) -> dict:
     """One sync-BN train step on all devices against the same update in one piece."""
     if a.dry_run:
@@ -475,8 +598,9 @@ def part_model_parallel(a) -> dict:
     return out
 
 
-PART_FUNCTIONS = {"devices": part_devices, "main_job": part_main_job,
-                  "comm_report": part_comm_report, "benchmark": part_benchmark,
+PART_FUNCTIONS = {"devices": part_devices, "prediction": part_prediction,
+                  "main_job": part_main_job, "comm_report": part_comm_report,
+                  "benchmark": part_benchmark, "xla_flags": part_xla_flags, "input": part_input,
                   "syncbn": part_syncbn, "model_parallel": part_model_parallel}
 
 

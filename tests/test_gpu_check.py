@@ -28,9 +28,9 @@ def test_dry_run_writes_every_figure(script_dry_runs):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "all parts passed" in out.stdout
     r = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert r["ok"] and r["dry_run"] and list(r["parts"]) == ["devices", "main_job",
-                                                             "comm_report", "benchmark", "syncbn",
-                                                             "model_parallel"]
+    assert r["ok"] and r["dry_run"] and list(r["parts"]) == [
+        "devices", "prediction", "main_job", "comm_report", "benchmark", "xla_flags", "input",
+        "syncbn", "model_parallel"]
     p = r["parts"]
     assert all(x["ok"] for x in p.values())
 
@@ -63,6 +63,28 @@ def test_dry_run_writes_every_figure(script_dry_runs):
         assert "torch is not importable" in b["torch_skipped"]
     else:
         assert b["trjax_over_torch"] == b["trjax_images_per_s"] / b["torch_images_per_s"]
+
+    pr = p["prediction"]  # on the CPU, from the compiled steps (test_predict: the arithmetic)
+    for step, model, batch in ((pr["benchmark_step"], "resnet8", 4),
+                               (pr["main_job_step"], "resnet8", 32)):
+        assert (step["model"], step["batch"], step["precision"]) == (model, batch, "bf16")
+        assert step["flops"] > 0 and step["bytes_accessed"] > 0
+        assert step["predicted_step_s"] == max(step["compute_s"], step["memory_s"]) > 0
+    assert pr["main_job_step"]["image"] == [8, 8, 1]
+    vs = r["predicted_vs_measured"]
+    assert vs["measured_step_s"] == p["xla_flags"]["variants"]["default"]["median_step_s"]
+    assert vs["measured_over_predicted"] == vs["measured_step_s"] / vs["predicted_step_s"]
+
+    x = p["xla_flags"]  # every variant ran in its own process, with its own flags
+    assert list(x["variants"]) == ["default", "latency-hiding scheduler", "command buffers off",
+                                   "autotune level 0"]
+    for name, v in x["variants"].items():
+        assert v["images_per_s"] > 0 and v["compile_s"] > 0 and v["memory"]["temp"] >= 0, name
+        assert (v["flags"] == "") == (name == "default")
+    assert x["winner"]["name"] in x["variants"]
+    xa = json.loads((tmp_path / "xla_ab" / "xla_ab.json").read_text())
+    assert xa["meta"]["global_batch"] == 4 and xa["meta"]["precision"] == "bf16"
+    assert p["input"].get("skipped") or p["input"]["images_per_s_per_core"] > 0
 
     s = p["syncbn"]
     assert s["world_size"] == 2 and s["params_moved_max_abs"] > 0

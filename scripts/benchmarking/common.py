@@ -71,6 +71,9 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     p.add_argument("--profile_groups", default=None,
                    help="with --profile: comma-separated group numbers (1-based), default all")
     p.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # internal (--profile)
+    p.add_argument("--xla_ab", action="store_true",
+                   help="with --gpu: the step on one GPU with XLA settings side by side "
+                        "(benchmarking.gpu.XLA_VARIANTS; default batch 256)")
     p.add_argument("--padded_last_batch", action="store_true",
                    help="--profile children: a data set of two batches and one example, so "
                         "that the trainer keeps BatchNorm's padding mask in the train step "
@@ -100,6 +103,10 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.dry_run and not a.gpu:
         p.error("--dry_run goes with --gpu")
+    if a.xla_ab and not a.gpu:
+        p.error("--xla_ab goes with --gpu")
+    if a.xla_ab and a.global_batch is None:
+        a.global_batch = 4 if a.dry_run else 256
     a.device = "cuda" if a.gpu and not a.dry_run else "cpu"
     if a.time_to_accuracy:
         if a.gpu or a.profile:

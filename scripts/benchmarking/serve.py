@@ -21,7 +21,9 @@ def serve(a) -> int:
     v = JaxVariant(spec["name"], make_config(a, spec["world"], spec["buckets"]), data,
                    memory_compare=False, host_input=spec["host_input"])
     v.run(max(a.warmup, 1))
-    info = {k: v.info[k] for k in ("compile_s", "flops_per_step", "world_size")}
+    info = {k: v.info[k] for k in ("compile_s", "flops_per_step", "world_size",
+                                   "bytes_accessed_per_device")}
+    info["memory"] = v.info["memory_donated"]  # XLA's memory statistics of the train step
     # host overheads: the CompiledStep's argument check, and a host batch -> device
     b = v.device_batches[0]
     t0 = time.perf_counter()
