@@ -18,6 +18,7 @@ import collections
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -385,3 +386,37 @@ def test_compressor_state_is_carried():
     assert max_rel(to_host(fresh.params), two.params) > 1e-6
     assert not np.array_equal(two.comm_state["deep"]["error"],
                               to_host(fresh.comm_state)["deep"]["error"])
+
+
+@pytest.mark.parametrize("path,opt", [("xla", "sgd"), ("xla", "adamw"),
+                                      ("shard_optimizer_state", "sgd")])
+def test_a_skipped_step_advances_the_learning_rate_schedule(path, opt):
+    """A step skipped for a non-finite gradient advances the schedule as it advances the
+    step counter (and the step log): the next applied update uses the rate of its own
+    step, bitwise the update of the same state with the counter at that step, and moves
+    the parameters (the rate of step 0, warmup's 0, would not). Both optimizer paths:
+    the replicated one and ZeRO-1's shards."""
+    world, model, _ = _setup()
+    plan = _plan()
+    schedule = lambda t: 0.05 * jnp.asarray(t, jnp.float32)  # lr(0) = 0, as warmup's
+    make = lambda mask: optim.make_optimizer(opt, schedule, None if mask is not None else plan,
+                                             mask=mask, weight_decay=1e-3)
+    ex = exchange.shard_optimizer_state(plan, N, make) if path == "shard_optimizer_state" \
+        else exchange.allreduce(make(None), plan, path, LOCAL)
+    layout = parallel.data_parallel(model, world, (8, 8, 1), BN)
+    state = create_train_state(jax.random.key(0), layout, ex)
+    step = aot.compile_step("train", steps.make_train_step(layout, ex, plan), state, _batch(0))
+    bad = random_batch(32, seed=40)
+    bad["image"][3] = np.nan
+    skipped, m = step(state, jax.device_put(bad, world.sharded()))
+    assert float(m.to_host().finite) == 0.0 and int(skipped.step) == 1
+    after, _ = step(skipped, _batch(1))
+    at_one = state.replace(step=jax.device_put(np.int32(1), state.step.sharding))
+    reference, _ = step(at_one, _batch(1))
+    got, want, start = to_host(after), to_host(reference), to_host(state)
+    for a, b in zip(jax.tree_util.tree_leaves((got.params, got.opt_state)),
+                    jax.tree_util.tree_leaves((want.params, want.opt_state))):
+        np.testing.assert_array_equal(a, b)
+    moved = max(float(np.max(np.abs(a - b))) for a, b in zip(
+        jax.tree_util.tree_leaves(got.params), jax.tree_util.tree_leaves(start.params)))
+    assert moved > 1e-4

@@ -156,20 +156,20 @@ def _run_exchange(ex, world, params0, bufs_seq):
     opt_state, comm_state = ex.init(params, world)
     opt_specs, comm_specs = ex.specs(axis)
 
-    def local(bufs, params, opt_state, comm_state):
+    def local(bufs, params, opt_state, comm_state, step):  # step: the train step's counter
         up = ex.update({b: v[0] for b, v in bufs.items()}, params, opt_state, comm_state,
-                       jnp.int32(0), None, axis)
+                       step, None, axis)
         return up.params, up.opt_state, up.comm_state, up.finite
 
     f = jax.jit(jax.shard_map(local, mesh=world.mesh,
-                              in_specs=(P(axis), P(), opt_specs, comm_specs),
+                              in_specs=(P(axis), P(), opt_specs, comm_specs, P()),
                               out_specs=(P(), opt_specs, comm_specs, P()),
                               check_vma=ex.check_vma))
     history = []
-    for bufs in bufs_seq:
+    for t, bufs in enumerate(bufs_seq):
         params, opt_state, comm_state, finite = f(
             {b: world.put(v, world.sharded()) for b, v in bufs.items()},
-            params, opt_state, comm_state)
+            params, opt_state, comm_state, jnp.int32(t))
         assert bool(finite)
         history.append(to_host(params))
     return history, to_host(opt_state)

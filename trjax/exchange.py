@@ -95,16 +95,18 @@ def _inverse_count(count: jax.Array, loss_scale) -> jax.Array:
     return inv if loss_scale is None else inv / loss_scale
 
 
-def _apply_mean(tx, plan: MemoryPlan, reduced, params, opt_state, loss_scale):
+def _apply_mean(tx, plan: MemoryPlan, reduced, params, opt_state, loss_scale, step):
     """The tail of every replicated-optimizer exchange: unpack the reduced
-    buckets, scale the sums to the mean over the global count, update.
+    buckets, scale the sums to the mean over the global count, update (``tx``
+    gets the train step's counter as ``step=``: :func:`trjax.optim.scale_by_step_schedule`).
     Every replica sees the same reduced values, so ``finite`` agrees without
     another collective."""
     grads, sums = plan.unpack(reduced)
     finite = jnp.isfinite(sum(jnp.sum(b) for b in reduced.values()))
     inv_count = _inverse_count(sums[_COUNT], loss_scale)
     grads = jax.tree_util.tree_map(lambda g: g * inv_count, grads)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
+                                                                  step=step)
     return optax.apply_updates(params, updates), opt_state, sums, finite
 
 
@@ -223,7 +225,7 @@ def _replicated(name, tx, plan, reduce, check_vma, init_comm, checkpoint_keys):
     def update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name):
         reduced, comm_state = reduce(buffers, comm_state, step, axis_name, loss_scale)
         params, opt_state, sums, finite = _apply_mean(tx, plan, reduced, params, opt_state,
-                                                      loss_scale)
+                                                      loss_scale, step)
         return Update(params, opt_state, comm_state, sums, finite, list(reduced.values())[-1])
 
     return GradientExchange(name, init, lambda axis_name: (P(), P(axis_name)), update, check_vma,
@@ -423,7 +425,8 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
             norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g * mask[b]))
                                          for b, g in grads.items()), axis_name))
             grads = _clip_like_optax(grads, norm, clip_norm)
-        updates, opt_state = tx.update(grads, opt_state, mine)
+        updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, mine,
+                                                                      step=step)
         new_flat = {b: lax.all_gather(mine[b] + updates[b], axis_name,
                                       tiled=True)[:pflat[b].shape[0]] for b in shards}
         params, _ = plan.unpack(new_flat)

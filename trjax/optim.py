@@ -19,12 +19,19 @@
   and PyTorch's ``AdamW``).
 
 The schedule is linear warmup from 0 to ``learning_rate`` then cosine decay to
-0 (Goyal et al. 2017; Loshchilov & Hutter 2017), in optimizer steps.
+0 (Goyal et al. 2017; Loshchilov & Hutter 2017), in TRAIN steps: the learning
+rate of an update is the schedule at the train step's counter
+(:func:`scale_by_step_schedule`, ``tx.update(..., step=state.step)``), so a step
+skipped for a non-finite gradient (fp16 overflow) advances the schedule as it
+advances the step log, as PyTorch's ``GradScaler`` with a per-iteration
+``scheduler.step()`` does; Adam's bias-correction count stays that of the
+applied updates (as ``torch.optim.Adam``'s).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from trjax.regions import KERNEL_REGIONS
@@ -39,13 +46,45 @@ def learning_rate_schedule(learning_rate: float, warmup_steps: int, total_steps:
     and peak ``lr``: ``lr * t / W`` for ``t < W`` (linear from 0), then
     ``lr * (1 + cos(pi * (t - W) / (T - W))) / 2`` (cosine to 0 at ``t = T``;
     optax's ``warmup_cosine_decay_schedule``, Goyal et al. 2017 for the warmup,
-    Loshchilov & Hutter 2017 for the cosine). Step ``t`` (0-based) is the rate the
-    ``t + 1``-th update applies.
+    Loshchilov & Hutter 2017 for the cosine). Step ``t`` (0-based) is the rate of
+    the update of train step ``t`` (:func:`scale_by_step_schedule`), applied or
+    skipped.
     """
     warmup_steps = max(0, min(warmup_steps, total_steps - 1))
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
         decay_steps=max(total_steps, warmup_steps + 1), end_value=0.0)
+
+
+def scale_by_step_schedule(schedule) -> optax.GradientTransformationExtraArgs:
+    """``g <- -schedule(step) * g`` with ``step`` the train step's counter, passed
+    as ``tx.update(updates, state, params, step=state.step)`` (trjax's exchanges
+    always pass it; without it, e.g. the optimizer used alone, the count of
+    applied updates, optax's own rule).
+
+    Replaces ``optax.scale_by_learning_rate(schedule)``, which reads its own
+    count of APPLIED updates: after k skipped steps every later update would use
+    the rate of a step k behind the step log (and the first applied one, in
+    warmup, rate 0). Its state is optax's ``ScaleByScheduleState`` (the applied
+    updates' count, kept so checkpoints keep their structure); with no skipped
+    step the two are bitwise the same.
+
+    Args:
+      schedule: ``step (int32 scalar) -> learning rate``, or a float.
+    """
+    fn = schedule if callable(schedule) else (lambda _: schedule)
+
+    def init(params):
+        del params
+        return optax.ScaleByScheduleState(count=jnp.zeros([], jnp.int32))
+
+    def update(updates, state, params=None, *, step=None, **extra):
+        del params, extra
+        rate = -fn(state.count if step is None else step)
+        updates = jax.tree_util.tree_map(lambda g: jnp.array(rate, dtype=g.dtype) * g, updates)
+        return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def kernel_mask(plan) -> object:
@@ -102,18 +141,20 @@ def make_optimizer(name: str, schedule, plan=None, *, mask=None, momentum: float
       ValueError: unknown optimizer name, or LARS with a per-element mask.
     """
     mask = kernel_mask(plan) if mask is None else mask
-    if name == "sgd":
+    rate = scale_by_step_schedule(schedule)
+    if name == "sgd":  # optax.sgd's chain: trace, then the rate
         return optax.chain(add_decayed_weights(weight_decay, mask),
-                           optax.sgd(schedule, momentum=momentum, nesterov=nesterov))
-    if name == "lars":
+                           optax.chain(optax.trace(decay=momentum, nesterov=nesterov), rate))
+    if name == "lars":  # optax.lars's chain (trust coefficient, eps 0), the rate by step
         if callable(mask):
             raise ValueError("optimizer 'lars' needs whole kernels (a per-leaf mask); "
                              "use optimizer='sgd' or 'adamw' with shard_optimizer_state=True")
-        return optax.lars(schedule, weight_decay=weight_decay, weight_decay_mask=mask,
-                          trust_coefficient=trust_coefficient, trust_ratio_mask=mask,
-                          momentum=momentum, nesterov=nesterov)
+        return optax.chain(
+            optax.add_decayed_weights(weight_decay, mask=mask),
+            optax.masked(optax.scale_by_trust_ratio(trust_coefficient=trust_coefficient,
+                                                    eps=0.0), mask=mask),
+            rate, optax.trace(decay=momentum, nesterov=nesterov))
     if name == "adamw":  # optax.adamw's own chain, with trjax's (per-leaf or per-element) mask
         return optax.chain(optax.scale_by_adam(b1=b1, b2=b2, eps=eps),
-                           add_decayed_weights(weight_decay, mask),
-                           optax.scale_by_learning_rate(schedule))
+                           add_decayed_weights(weight_decay, mask), rate)
     raise ValueError(f"optimizer {name!r} is unknown; choose one of {OPTIMIZERS}")
