@@ -282,6 +282,34 @@ def bucket_assignment(policy: str, regions: Mapping[str, Region], sizes: Mapping
     raise ValueError(f"bucket policy {policy!r} is not one of {BUCKET_POLICIES}")
 
 
+def check_float32(params, batch_stats) -> None:
+    """trjax's rule for parameter dtypes: parameters and BN statistics are float32
+    (the master weights: the optimizer state, the EMA, the buckets and the
+    checkpoints follow them); ``config.precision`` sets the compute dtype.
+
+    A model whose layers keep bfloat16 / float16 parameters (flax's
+    ``param_dtype``) would have its first update turn the optimizer state
+    float32 (a state that no longer fits the compiled step) and its EMA and
+    running averages round most increments to zero, so it is refused here,
+    before anything is compiled.
+
+    Raises:
+      ValueError: naming the leaves that are not float32, their dtypes and the fix.
+    """
+    bad = [(f"{kind}/{path_str(p)}", str(x.dtype))
+           for kind, tree in (("params", params), ("batch_stats", batch_stats))
+           for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+           if np.dtype(x.dtype) != np.float32]
+    if bad:
+        more = f" and {len(bad) - 5} more" if len(bad) > 5 else ""
+        raise ValueError(
+            f"{', '.join(f'{n} ({d})' for n, d in bad[:5])}{more}: trjax keeps parameters and "
+            "BatchNorm statistics in float32 (master weights for the optimizer state, the EMA "
+            "and checkpoints) and computes in config.precision; build the model with "
+            "param_dtype=jnp.float32 (flax's default) and set config.precision='bf16' (or "
+            "your layers' dtype=jnp.bfloat16) for low-precision compute")
+
+
 def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.float32,
               policy: str = "two", kernel_order: str = "HWIO") -> MemoryPlan:
     """Builds the plan from (abstract) params, BN statistics and their regions.
@@ -298,7 +326,7 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
 
     Raises:
       ValueError: a params leaf without a region, a bad policy or a bad
-        kernel order.
+        kernel order; parameters or statistics not float32 (:func:`check_float32`).
     """
     if kernel_order not in KERNEL_ORDERS:
         raise ValueError(f"kernel_order={kernel_order!r} is not one of {KERNEL_ORDERS}")
@@ -308,6 +336,7 @@ def make_plan(params, batch_stats, regions: Mapping[str, Region], dtype=jnp.floa
     conv_order = (2, 0, 1, 3) if kernel_order == "IHWO" else None
     flat, treedef = jax.tree_util.tree_flatten_with_path(params)
     names = ["params/" + path_str(p) for p, _ in flat]
+    check_float32(params, batch_stats)
     missing = [n for n in names if n not in regions]
     if missing:
         raise ValueError(f"params leaves without a region: {missing[:5]}")
