@@ -386,6 +386,8 @@ class BatchNormContext:
       sums: filled while tracing (nnx layers): ``{module path tuple: [2C + 1]}``.
       nnx_paths: ``{id(layer): module path tuple}`` of the nnx layers adapted
         by :func:`swap_nnx_batchnorms`.
+      called: the paths of the layers that took batch statistics in this
+        forward pass (:meth:`first_call`).
     """
     mode: str
     axis_name: Optional[str] = None
@@ -393,6 +395,29 @@ class BatchNormContext:
     rules: dict = dataclasses.field(default_factory=dict)
     sums: dict = dataclasses.field(default_factory=dict)
     nnx_paths: dict = dataclasses.field(default_factory=dict)
+    called: set = dataclasses.field(default_factory=set)
+
+    def first_call(self, path: tuple) -> None:
+        """Records that the layer at ``path`` takes batch statistics in this forward
+        pass. trjax's rule for a normalisation layer applied twice in one pass (a
+        block reused with shared weights, one encoder over two views): refused.
+        Its sums would be the last call's only, and the running update between the
+        calls would move the reference the second call's sums are taken around,
+        matching neither flax's sequential result nor pooled statistics.
+
+        Raises:
+          ValueError (while tracing, before anything is compiled): the second call,
+            naming the layer and the fix.
+        """
+        if path in self.called:
+            layer = "/".join(map(str, path))
+            raise ValueError(
+                f"{layer}: this BatchNorm is applied twice in one training forward pass (a "
+                "block reused with shared weights, or one encoder over two views). trjax takes "
+                "one set of batch statistics per layer and step, so it refuses this: give each "
+                "use its own BatchNorm (shared convolutions may stay shared), or concatenate "
+                "the inputs along the batch axis and call the layer once")
+        self.called.add(path)
 
 
 def _feature_axis(x, axis, layer: str) -> int:
@@ -440,6 +465,7 @@ def _linen_flax_batchnorm(mod, ctx: BatchNormContext, next_fun, args, kwargs):
     ctx.rules[tuple(mod.path)] = (mod.momentum, False)
     if ura:  # frozen in training: no sums, its statistics stay as they are
         return next_fun(*args, **kwargs)
+    ctx.first_call(tuple(mod.path))
     layer = "/".join(mod.path)
     if kwargs.get("mask") is not None:
         raise NotImplementedError(f"{layer}: BatchNorm(..., mask=...) in training; trjax masks "
@@ -478,7 +504,8 @@ def linen_interceptor(ctx: BatchNormContext):
 
     Raises (while tracing):
       NotImplementedError: a flax BatchNorm given ``mask=`` or several feature axes.
-      ValueError: a BatchNorm input whose axis 0 is not the batch's rows.
+      ValueError: a BatchNorm input whose axis 0 is not the batch's rows; a
+        BatchNorm applied twice in one forward pass (:meth:`BatchNormContext.first_call`).
     """
     def intercept(next_fun, args, kwargs, context):
         mod = context.module
@@ -490,6 +517,8 @@ def linen_interceptor(ctx: BatchNormContext):
             if mod.is_initializing():
                 return next_fun(*args, **kwargs)
             ctx.rules[tuple(mod.path)] = (mod.momentum, True)
+            if train:
+                ctx.first_call(tuple(mod.path))
             if train and mask is None:
                 return next_fun(args[0], train, mask=ctx.mask)
             return next_fun(*args, **kwargs)
@@ -525,6 +554,7 @@ def _nnx_train_call(self, x, use_running_average=None, *, mask=None):
     ctx.rules[path] = (self.momentum, False)
     if ura:  # frozen in training: no sums, its statistics stay as they are
         return nnx.BatchNorm.__call__(self, x, use_running_average, mask=mask)
+    ctx.first_call(path)
     layer = "/".join(map(str, path))
     if mask is not None:
         raise NotImplementedError(f"{layer}: nnx.BatchNorm(..., mask=...) in training; trjax "
