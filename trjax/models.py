@@ -345,17 +345,73 @@ def create_model(name: str, **kwargs) -> ResNet:
 # -- any flax model: trjax's view of it ------------------------------------------------------
 
 
+TRAIN_FLAGS = ("train", "training", "is_training", "is_train")
+"""``__call__`` parameters that take the training flag as it is (True in training)."""
+EVAL_FLAGS = ("deterministic", "inference")
+"""``__call__`` parameters that take it inverted (True in evaluation: flax's
+``Dropout(deterministic=...)`` convention)."""
+_MODE_WORDS = ("train", "eval", "determin", "infer", "test", "mode")
+
+
 def _call_flag(fn) -> str | None:
-    """The name under which ``fn`` takes the training flag (``train`` or
-    ``training``), or ``None`` when it takes neither (nor ``**kwargs``)."""
+    """The name under which ``fn`` takes the training flag: one of
+    :data:`TRAIN_FLAGS` or :data:`EVAL_FLAGS`, ``"train"`` for ``**kwargs``, or
+    ``None`` when it takes none (an nnx model switched by ``.train()`` /
+    ``.eval()``, a model without a mode).
+
+    Raises:
+      ValueError: a parameter that looks like a mode switch under another name
+        (``is_eval``, ``mode``, ``test``...), which trjax cannot tell apart from
+        an ordinary argument: it would run in one mode only, so it is refused,
+        naming the parameter and the names trjax recognises.
+    """
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return "train"
-    for name in ("train", "training"):
+    for name in TRAIN_FLAGS + EVAL_FLAGS:
         if name in params:
             return name
+    for name, p in params.items():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or name in ("self", "x", "inputs"):
+            continue
+        looks = isinstance(p.default, bool) or p.annotation in (bool, "bool")
+        if looks and any(w in name.lower() for w in _MODE_WORDS):
+            raise ValueError(
+                f"the model's __call__ takes {name!r}, which looks like a training/evaluation "
+                f"switch trjax does not recognise: it would stay {p.default!r} in training and "
+                f"in evaluation. Rename it to one of {list(TRAIN_FLAGS)} (True in training) or "
+                f"{list(EVAL_FLAGS)} (True in evaluation)")
     return "train" if any(p.kind == p.VAR_KEYWORD for p in params.values()) else None
+
+
+def _flag_value(name: str | None, train: bool) -> dict:
+    """``{name: train}`` (``{name: not train}`` for :data:`EVAL_FLAGS`), ``{}``
+    without a flag."""
+    if name is None:
+        return {}
+    return {name: (not train) if name in EVAL_FLAGS else train}
+
+
+class FlaggedSequential(nn.Module):
+    """``flax.linen.Sequential`` that hands every layer the training flag it takes.
+
+    flax's ``Sequential`` passes keyword arguments to its first layer only, so a
+    sequence whose layers take ``train`` (a BatchNorm or Dropout block) cannot be
+    trained through it. This module calls each layer with the flag its own
+    ``__call__`` takes (:func:`_call_flag`: ``train``, ``deterministic``...,
+    none for functions such as ``nn.relu``), in order, one array in and out. Its
+    parameter tree is ``nn.Sequential``'s (``layers_0``, ``layers_1``, ...), so
+    weights move between the two unchanged. :func:`as_network` uses it for any
+    ``nn.Sequential``.
+    """
+    layers: Sequence[Any]
+
+    def __call__(self, x, train: bool = True):
+        for layer in self.layers:
+            fn = layer.__call__ if isinstance(layer, nn.Module) else layer
+            x = layer(x, **_flag_value(_call_flag(fn), train))
+        return x
 
 
 def _nest(flat: dict, leaf: str) -> dict:
@@ -468,7 +524,8 @@ class Network:
         built-in ResNets); otherwise the model evaluates with its own
         ``batch_stats``.
       train_flag: the name of the ``__call__`` argument that takes the
-        training flag (``train`` / ``training``), or ``None``.
+        training flag (:data:`TRAIN_FLAGS`; :data:`EVAL_FLAGS` take it
+        inverted), or ``None``.
     """
     module: Any
     kind: str = "linen"
@@ -481,7 +538,7 @@ class Network:
     nnx: Optional[_NNXParts] = None
 
     def _flag(self, train: bool) -> dict:
-        return {} if self.train_flag is None else {self.train_flag: train}
+        return _flag_value(self.train_flag, train)
 
     def init(self, key, image_shape: tuple) -> dict:
         """``{"params", "batch_stats"}`` (``batch_stats`` ``{}`` without BatchNorm)
@@ -575,6 +632,8 @@ def as_network(model) -> Network:
     if nnx is not None and isinstance(model, (nnx.Module, nnx.bridge.ToLinen)):
         parts, call = _nnx_parts(model)
         return Network(model, "nnx", dtype=jnp.float32, train_flag=_call_flag(call), nnx=parts)
+    if isinstance(model, nn.Sequential):  # every layer gets the flag it takes
+        model = FlaggedSequential(layers=tuple(model.layers))
     if isinstance(model, nn.Module):
         return Network(model, "linen", dtype=getattr(model, "dtype", None) or jnp.float32,
                        folds=isinstance(model, ResNet), train_flag=_call_flag(model.__call__))
