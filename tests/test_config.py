@@ -113,3 +113,34 @@ def test_keys_outside_the_programs_leave_the_lowered_train_step_unchanged():
         return jax.jit(step, donate_argnums=0).lower(init.abstract, batch).as_text()
 
     assert lowered(small_config()) == lowered(other)
+
+
+def test_help_lists_every_config_key_with_its_default():
+    """``trjax-train --help`` prints every key of the config (from its own lines and
+    comments, so it cannot drift from the defaults), for each packaged config."""
+    from trjax.configs import config_path
+    from trjax.train.main import config_keys_help
+    import importlib.util
+    for name in ("default", "cifar10_resnet20", "imagenet_resnet50"):
+        path = config_path(name)
+        spec = importlib.util.spec_from_file_location(f"cfg_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        text = config_keys_help(path)
+        flat = []
+
+        def walk(d, prefix=""):
+            for k, v in d.items():
+                if hasattr(v, "items") and k != "model_kwargs":
+                    walk(v, f"{prefix}{k}.")
+                else:
+                    flat.append(f"{prefix}{k}")
+        walk(module.get_config())
+        missing = [k for k in flat if f"--config.{k}=" not in text]
+        assert missing == [], (name, missing)
+        if name == "default":
+            assert "  --config.global_batch_size=128" in text
+            assert "--config.bn_mode=\"running\"" in text and "SyncBatchNorm" in text
+        else:  # its own keys first, then the default's
+            own, rest = text.split("Every other key, as the default config sets it:")
+            assert "--config.dataset=" in own and "--config.dataset=\"digits\"" in rest

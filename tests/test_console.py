@@ -230,6 +230,8 @@ def test_python_m_trjax_train_help_and_errors_before_compiling(tmp_path):
     assert "trjax-train --config default --workdir runs/default" in out.stdout
     assert "--config: A packaged config's name (default, cifar10_resnet20," in out.stdout
     assert "--workdir: Directory for metrics.jsonl" in out.stdout
+    assert "  --config.global_batch_size=128" in out.stdout  # every key, with its default
+    assert "--config.bn_mode=\"running\"" in out.stdout and "SyncBatchNorm" in out.stdout
     out = nosuch
     assert out.returncode == 1 and "error: --config 'nosuch': no such file and no packaged " \
         "config of that name" in out.stderr, out.stderr

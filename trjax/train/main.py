@@ -46,6 +46,46 @@ def define_flags(flag_values=flags.FLAGS) -> None:
         flag_values.register_flag_by_module(sys.argv[0], flag_values[name])
 
 
+def config_keys_help(path: str) -> str:
+    """Every key of the config file at ``path`` with its default and its comment,
+    grouped under the file's section comments: what ``--help`` adds to the flags.
+
+    Read from the file's own ``c.KEY = VALUE  # comment`` lines (the packaged
+    configs keep one line of meaning per key there), so it never disagrees with
+    the defaults a run gets. Keys without a comment are listed with their default.
+    """
+    import re
+    line_re = re.compile(r"^\s*c\.([\w.]+)\s*=\s*(.+?)\s*(?:#\s?(.*))?$")
+    more_re = re.compile(r"^\s*#\s{4,}(.*)$")  # a comment continued under the previous key
+    head_re = re.compile(r"^\s*#\s?(\S.*)$")
+    out, last = [], None
+    with open(path) as f:
+        for raw in f:
+            if (m := line_re.match(raw)) is not None:
+                key, value, note = m.group(1), m.group(2), (m.group(3) or "").strip()
+                if value.startswith("ml_collections.ConfigDict("):
+                    value = "{...}"
+                out.append([f"  --config.{key}={value}", note])
+                last = out[-1]
+            elif (m := more_re.match(raw)) is not None and last is not None:
+                last[1] = (last[1] + " " + m.group(1).strip()).strip()
+            elif (m := head_re.match(raw)) is not None and raw.startswith("    #"):
+                out.append([f"{m.group(1)}:", None])
+                last = None
+    width = max([len(k) for k, n in out if n is not None] + [0])
+    lines = [f"Config keys of {path} (--config.KEY=VALUE; defaults as written there):"]
+    for key, note in out:
+        lines.append(key if note is None else f"{key:<{width}}  {note}".rstrip())
+    from trjax.configs import config_path
+    base = config_path("default")
+    with open(path) as f:
+        derived = "default.get_config()" in f.read()
+    if derived and os.path.realpath(path) != os.path.realpath(base):
+        lines += ["", "Every other key, as the default config sets it:",
+                  config_keys_help(base)]
+    return "\n".join(lines)
+
+
 def resolve_config_argv(argv: list[str]) -> list[str]:
     """``argv`` with the value of ``--config NAME`` / ``--config=NAME`` turned
     into a file path (:func:`trjax.configs.config_path`); exits with ``error:
@@ -106,11 +146,25 @@ def main(argv):
               f"-> {os.path.join(flags.FLAGS.workdir, 'summary.json')}")
 
 
+def _config_path_of(argv: list[str]) -> str:
+    """The config file ``argv`` names (already resolved), else the packaged default."""
+    from trjax.configs import config_path
+    for i, a in enumerate(argv):
+        if a.startswith("--config="):
+            return a[len("--config="):]
+        if a == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    return config_path("default")
+
+
 def run(argv: list[str] | None = None) -> None:
-    """The command (``[project.scripts] trjax-train``): resolves ``--config``,
+    """The command (``[project.scripts] trjax-train``): resolves ``--config``
+    (``--help`` first lists every key of it, :func:`config_keys_help`),
     checks every ``--config.KEY=VALUE`` before flag parsing
     (:func:`trjax.train.config.check_argv`), then runs :func:`main` under absl."""
     sys.argv[:] = resolve_config_argv(sys.argv if argv is None else argv)  # config_flags reads it
+    if any(a in ("--help", "-h", "--helpfull", "--helpshort", "-?") for a in sys.argv[1:]):
+        print(config_keys_help(_config_path_of(sys.argv)) + "\n", flush=True)
     from trjax.train.config import check_argv
     check_argv(sys.argv)
     main_module = sys.modules.get("__main__")
