@@ -64,6 +64,16 @@ def random_batch(n, seed=0, num_classes=10):
             "mask": np.ones(n, np.float32)}
 
 
+def tiny_digits(n=64, seed=0):
+    """An in-memory Dataset of ``n`` digit-like uint8 images ``[8, 8, 1]`` (values 0-16)
+    and 10 classes, the same split for training and validation."""
+    from trjax.data import input_pipeline as ip
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 17, (n, 8, 8, 1)).astype(np.uint8)
+    split = ip.Split(x, rng.integers(0, 10, n).astype(np.int32))
+    return ip.Dataset(split, split, 10, "tiny")
+
+
 def digit_like_batches(n, global_batch, padding=(3, 20, 21), seed=0):
     """``n`` host batches shaped as the digits' (uint8 ``[G, 8, 8, 1]`` with values 0-16,
     int32 labels of 10 classes), with mask-0 rows at ``padding`` (on both halves of a

@@ -6,13 +6,11 @@ BatchNorm per use still train."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import small_config
+from helpers import small_config, tiny_digits
 from trjax import batchnorm
-from trjax.data import input_pipeline as ip
 from trjax.train import trainer
 
 
@@ -47,13 +45,6 @@ class SharedBNNNX(nnx.Module):
         return self.linear(jnp.mean(nnx.relu(a + b), axis=(1, 2)))
 
 
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 17, (64, 8, 8, 1)).astype(np.uint8)
-    split = ip.Split(x, rng.integers(0, 10, 64).astype(np.int32))
-    return ip.Dataset(split, split, 10, "tiny")
-
-
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_a_batchnorm_applied_twice_is_refused_before_compiling(kind, monkeypatch):
     compiled = []
@@ -61,7 +52,7 @@ def test_a_batchnorm_applied_twice_is_refused_before_compiling(kind, monkeypatch
     model = SharedBNLinen() if kind == "linen" else SharedBNNNX(rngs=nnx.Rngs(0))
     cfg = small_config(global_batch_size=16, eval_batch_size=16, devices="2")
     with pytest.raises(ValueError, match="applied twice in one training forward pass") as e:
-        trainer.setup(cfg, _data(), model=model)
+        trainer.setup(cfg, tiny_digits(), model=model)
     assert ("BatchNorm_0" if kind == "linen" else "bn") in str(e.value).split(":")[0]
     assert "its own BatchNorm" in str(e.value) and compiled == []
 
@@ -88,5 +79,5 @@ def test_trjax_batchnorm_applied_twice_is_refused_and_frozen_reuse_is_not():
 
 def test_one_batchnorm_per_use_with_a_shared_convolution_trains():
     cfg = small_config(global_batch_size=16, eval_batch_size=16, devices="2")
-    tr = trainer.prepare(cfg, _data(), model=PerUseBNLinen())
+    tr = trainer.prepare(cfg, tiny_digits(), model=PerUseBNLinen())
     assert len(tr.plan.stats_slots) == 4  # two BatchNorms, mean and var each

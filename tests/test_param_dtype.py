@@ -8,13 +8,11 @@ parameters trains."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from flax import nnx
 
-from helpers import small_config
+from helpers import small_config, tiny_digits
 from trjax import plan as plan_lib
-from trjax.data import input_pipeline as ip
 from trjax.train import trainer
 
 
@@ -39,13 +37,6 @@ class NNXCNN(nnx.Module):
         return self.linear(jnp.mean(nnx.relu(self.conv(x)), axis=(1, 2))).astype(jnp.float32)
 
 
-def _data():
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 17, (64, 8, 8, 1)).astype(np.uint8)
-    split = ip.Split(x, rng.integers(0, 10, 64).astype(np.int32))
-    return ip.Dataset(split, split, 10, "tiny")
-
-
 @pytest.mark.parametrize("kind", ["linen", "nnx"])
 def test_bfloat16_parameters_are_refused_before_compiling_naming_the_leaves(kind, monkeypatch):
     compiled = []
@@ -53,7 +44,7 @@ def test_bfloat16_parameters_are_refused_before_compiling_naming_the_leaves(kind
     model = LinenCNN() if kind == "linen" else NNXCNN(rngs=nnx.Rngs(0))
     cfg = small_config(global_batch_size=16, eval_batch_size=16, devices="2")
     with pytest.raises(ValueError) as e:
-        trainer.setup(cfg, _data(), model=model)
+        trainer.setup(cfg, tiny_digits(), model=model)
     msg = str(e.value)
     leaf = "params/Conv_0/kernel (bfloat16)" if kind == "linen" else \
         "params/linear/kernel (bfloat16)"
@@ -74,6 +65,6 @@ def test_the_plan_refuses_them_on_the_library_path_too():
 
 def test_bfloat16_compute_with_float32_parameters_is_accepted():
     cfg = small_config(global_batch_size=16, eval_batch_size=16, devices="2")
-    tr = trainer.prepare(cfg, _data(), model=LinenCNN(param_dtype=jnp.float32))
+    tr = trainer.prepare(cfg, tiny_digits(), model=LinenCNN(param_dtype=jnp.float32))
     params = jax.tree_util.tree_leaves(tr.model.abstract_variables((8, 8, 1))["params"])
     assert all(x.dtype == jnp.float32 for x in params) and len(tr.plan.slots) == len(params)

@@ -55,12 +55,9 @@ def predict(model: str, image: tuple, num_classes: int, batch: int, precision: s
       "compile_s", "unfused_bytes"}`` (``unfused_bytes``: ``jax.experimental.roofline``'s
       per-primitive bytes, or the error it raised).
     """
-    import jax
-    import numpy as np
     from benchmarking.common import random_dataset  # puts configs/ on sys.path
     import default as default_config
     from trjax import aot, steps
-    from trjax.data import input_pipeline
     from trjax.state import train_state_program
     from trjax.train import trainer
 
@@ -71,11 +68,7 @@ def predict(model: str, image: tuple, num_classes: int, batch: int, precision: s
     data = random_dataset(batch, tuple(image), num_classes)
     tr = trainer.prepare(c, data)
     state = train_state_program(c.seed, tr.layout, tr.exchange).abstract
-    sharded = tr.world.sharded()
-    dtype = input_pipeline.device_image_dtype(data.image_dtype, tr.dtype)
-    example = {"image": jax.ShapeDtypeStruct((batch,) + tuple(image), dtype, sharding=sharded),
-               "label": jax.ShapeDtypeStruct((batch,), np.int32, sharding=sharded),
-               "mask": jax.ShapeDtypeStruct((batch,), np.float32, sharding=sharded)}
+    example = trainer.example_batch(tr, batch)
     t0 = time.perf_counter()
     step = aot.compile_step("train_step", steps.make_train_step(tr.layout, tr.exchange, tr.plan,
                                                                 trainer.step_options(tr)),

@@ -239,17 +239,12 @@ def setup(config: ml_collections.ConfigDict,
     """
     tr = prepared if prepared is not None else prepare(config, data, model, tx, loss_fn,
                                                        transform)
-    world, data, model, plan, dtype = tr.world, tr.data, tr.model, tr.plan, tr.dtype
+    world, plan = tr.world, tr.plan
     fp16 = config.precision == "fp16"
     init = train_state_program(config.seed, tr.layout, tr.exchange,
                                loss_scale=INITIAL_LOSS_SCALE if fp16 else 1.0)
 
-    def example(n):
-        return {"image": jax.ShapeDtypeStruct((n,) + data.image_shape,
-                                              input_pipeline.device_image_dtype(data.image_dtype, dtype),
-                                              sharding=world.sharded()),
-                "label": jax.ShapeDtypeStruct((n,), np.int32, sharding=world.sharded()),
-                "mask": jax.ShapeDtypeStruct((n,), np.float32, sharding=world.sharded())}
+    example = lambda n: example_batch(tr, n)
     acc_shape = jax.ShapeDtypeStruct((world.data_size, len(METRICS)), np.float32,
                                      sharding=world.sharded())
     # The state initialisation compiles and runs on a thread of its own while this one
@@ -269,6 +264,17 @@ def setup(config: ml_collections.ConfigDict,
     return dataclasses.replace(tr, plan=plan.with_memory(train_step.memory()), state=state,
                                train_step=train_step, fold_bn=fold_bn, eval_step=eval_step,
                                eval_reduce=eval_reduce)
+
+
+def example_batch(tr: Trainer, rows: int) -> dict:
+    """The abstract batch of ``rows`` global rows the steps are compiled for:
+    ``{"image": [rows, H, W, C] (the device image dtype), "label": [rows] int32,
+    "mask": [rows] float32}`` as ``jax.ShapeDtypeStruct``, sharded over the data axis."""
+    sharded = tr.world.sharded()
+    image = input_pipeline.device_image_dtype(tr.data.image_dtype, tr.dtype)
+    return {"image": jax.ShapeDtypeStruct((rows,) + tr.data.image_shape, image, sharding=sharded),
+            "label": jax.ShapeDtypeStruct((rows,), np.int32, sharding=sharded),
+            "mask": jax.ShapeDtypeStruct((rows,), np.float32, sharding=sharded)}
 
 
 def step_options(tr: Trainer) -> StepOptions:
