@@ -36,6 +36,8 @@ SPEC = {"image": P("data"), "label": P("data"), "mask": P("data")}
     (" data : 8 ", (("data", 8),)),
     ("data:1,stage:2,model:2", (("data", 1), ("stage", 2), ("model", 2))),
     ("data:2,model:4", (("data", 2), ("model", 4))),
+    ("fsdp:8", (("data", 1), ("fsdp", 8))),
+    ("data:2,fsdp:4", (("data", 2), ("fsdp", 4))),
     ((("data", 2), ("stage", 2)), (("data", 2), ("stage", 2))),
 ])
 def test_parse_mesh(spec, want):
@@ -43,10 +45,11 @@ def test_parse_mesh(spec, want):
 
 
 @pytest.mark.parametrize("spec,needle", [
-    ("data:2,pipe:4", "axis 'pipe' is unknown; the axes are data, stage, model"),
-    ("stage:4,data:2", "the first (outermost) axis must be 'data'"),
+    ("data:2,pipe:4", "axis 'pipe' is unknown; the axes are data, fsdp, stage, model"),
+    ("fsdp:4,data:2", "axes must come in the order data, fsdp, stage, model; write 'data:2,fsdp:4'"),
+    ("stage:4,data:2", "axes must come in the order data, fsdp, stage, model; write 'data:2,stage:4'"),
     ("stage:4", "the first (outermost) axis must be 'data'"),
-    ("data:2,model:2,stage:2", "axes must come in the order data, stage, model; write "
+    ("data:2,model:2,stage:2", "axes must come in the order data, fsdp, stage, model; write "
                                "'data:2,stage:2,model:2'"),
     ("data:2,data:2", "names axis ['data'] more than once"),
     ("data:2,stage:0", "axis 'stage' has size 0"),

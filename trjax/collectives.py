@@ -54,7 +54,7 @@ def after(x: jax.Array, done: jax.Array) -> jax.Array:
     width = {2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
     d = lax.bitcast_convert_type(done.reshape(-1)[:1], width[done.dtype.itemsize])
     udtype = width[x.dtype.itemsize]
-    zero = jnp.minimum(d, 0).astype(udtype)
+    zero = jnp.minimum(d[0], 0).astype(udtype)  # a scalar: any shape of x
     return lax.bitcast_convert_type(lax.bitcast_convert_type(x, udtype) + zero, x.dtype)
 
 

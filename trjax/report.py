@@ -93,6 +93,8 @@ def comm_report(tr) -> dict:
     out["traffic_per_rank_bytes"] = {"gradients": comm.ring_traffic_bytes(grad_bytes, n_grad),
                                      "formula": "2(N-1)/N * |g|", "g_bytes": grad_bytes,
                                      "N": n_grad}
+    if "fsdp_traffic_bytes" in tr.layout.details:  # issued result bytes over fsdp
+        out["traffic_per_rank_bytes"]["fsdp"] = tr.layout.details["fsdp_traffic_bytes"]
     if tr.layout.point_to_point is not None:
         itemsize = 2 if tr.config.precision in ("bf16", "fp16") else 4
         out["traffic_per_rank_bytes"]["pipeline"] = tr.layout.point_to_point(itemsize)

@@ -11,6 +11,7 @@ plain Python values, before anything is traced or compiled.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Sequence
 
@@ -22,12 +23,18 @@ DATA_AXIS = "data"
 """The default name of the mesh's data axis (:func:`make_world`); code inside
 trjax reads the name from ``World.axis_name``."""
 
-MESH_AXES = ("data", "stage", "model")
+MESH_AXES = ("data", "fsdp", "stage", "model")
 """The axis names a multi-axis mesh (:func:`parse_mesh`) may use, in the order
 they must appear: ``data`` (outermost: the batch split and the gradient
-all-reduce), ``stage`` (pipeline stages, :mod:`trjax.parallel.pipeline`), ``model``
-(tensor parallelism, not yet implemented: reserved). Devices are laid out
-row-major, so the last axis lands on adjacent devices (Megatron's order)."""
+all-reduce), ``fsdp`` (the batch split too, and the parameters, gradients and
+optimizer state sharded over it: :mod:`trjax.parallel.fsdp`), ``stage``
+(pipeline stages, :mod:`trjax.parallel.pipeline`), ``model`` (tensor
+parallelism, :mod:`trjax.parallel.tensor`). Devices are laid out row-major,
+so the last axis lands on adjacent devices (Megatron's order)."""
+
+BATCH_AXES = ("data", "fsdp")
+"""The axes the global batch splits over (every device along them is a data
+replica with rows of its own)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +76,21 @@ class World:
 
     @property
     def data_size(self) -> int:
-        """The size of the data axis: the number of batch shards
-        (``global_batch_size // local_batch_size``); ``world_size`` on a 1-D world."""
-        return int(self.mesh.shape[self.axis_name])
+        """The number of batch shards (``global_batch_size // local_batch_size``):
+        the product of the sizes of :attr:`axis_name`'s axes; ``world_size`` on a
+        1-D world."""
+        names = self.axis_name if isinstance(self.axis_name, tuple) else (self.axis_name,)
+        return math.prod(int(self.mesh.shape[n]) for n in names)
 
     @property
-    def axis_name(self) -> str:
+    def axis_name(self) -> str | tuple[str, str]:
         """The mesh's data axis: the global batch, the gradient all-reduce and
-        the BN statistics all-reduce run over it."""
-        return self.mesh.axis_names[0]
+        the BN statistics all-reduce run over it. With an ``fsdp`` axis, the
+        tuple ``("data", "fsdp")`` (:data:`BATCH_AXES`): the batch splits over
+        both (``lax.psum``, ``lax.axis_index`` and ``PartitionSpec`` take it as
+        one axis, data-major)."""
+        names = self.mesh.axis_names
+        return BATCH_AXES if BATCH_AXES[1] in names else names[0]
 
     def process_rows(self, global_batch: int | None = None) -> tuple[int, int]:
         """Rows ``[start, stop)`` of every global batch that this process feeds.
@@ -228,7 +241,8 @@ def parse_mesh(spec) -> tuple[tuple[str, int], ...]:
     Raises:
       ValueError: a malformed item, a size that is not a positive int, a name
         not in :data:`MESH_AXES`, a repeated name, no ``data`` axis or ``data``
-        not first, or axes out of the order ``data, stage, model``. The message
+        not first (a mesh that starts with ``fsdp`` gets ``data:1`` in front), or
+        axes out of the order ``data, fsdp, stage, model``. The message
         names the spec and gives a valid example.
     """
     example = 'e.g. "data:2,stage:4"'
@@ -257,7 +271,9 @@ def parse_mesh(spec) -> tuple[tuple[str, int], ...]:
     dup = sorted({n for n in names if names.count(n) > 1})
     if dup:
         raise ValueError(f"mesh {spec!r} names axis {dup} more than once ({example})")
-    if not names or names[0] != DATA_AXIS:
+    if names and names[0] == BATCH_AXES[1] and DATA_AXIS not in names:  # "fsdp:8"
+        items, names = [(DATA_AXIS, 1)] + items, [DATA_AXIS] + names
+    if not names or (names[0] != DATA_AXIS and DATA_AXIS not in names):
         raise ValueError(f"mesh {spec!r}: the first (outermost) axis must be 'data' "
                          f"(write 'data:1' for none), {example}")
     if names != sorted(names, key=MESH_AXES.index):
@@ -282,9 +298,10 @@ def make_world(device_spec: str | int = "all", global_batch_size: int = 1,
         devices, in rank order, reshaped row-major to the axis sizes (``data``
         outermost) as a plain :class:`jax.sharding.Mesh` (Auto axis types,
         not ``jax.make_mesh``, whose Explicit default turns ``shard_map``'s
-        in_specs into assertions). The global batch splits over ``data`` only:
-        ``local_batch_size = global_batch_size // data_size``; the other axes
-        hold replicas of that local batch.
+        in_specs into assertions). The global batch splits over ``data``
+        (and ``fsdp``: :data:`BATCH_AXES`): ``local_batch_size =
+        global_batch_size // data_size``; the other axes hold replicas of that
+        local batch.
 
     Returns:
       A :class:`World`.
@@ -309,11 +326,13 @@ def make_world(device_spec: str | int = "all", global_batch_size: int = 1,
             raise ValueError(f"mesh {mesh!r} has {' x '.join(map(str, sizes))} = {total} devices "
                              f"but device spec {device_spec!r} selects {len(ids)}; make the "
                              "product of the axis sizes equal the number of devices")
+        batch = math.prod(s for n, s in axes if n in BATCH_AXES)
         try:
-            local = check_batch_split(global_batch_size, sizes[0])
+            local = check_batch_split(global_batch_size, batch)
         except ValueError as e:
-            raise ValueError(f"mesh {mesh!r}: the global batch splits over the data axis only "
-                             f"(size {sizes[0]}): {e}") from None
+            over = " x ".join(n for n, _ in axes if n in BATCH_AXES)
+            raise ValueError(f"mesh {mesh!r}: the global batch splits over {over} "
+                             f"(size {batch}): {e}") from None
         world_mesh = Mesh(np.array(chosen, dtype=object).reshape(sizes), tuple(n for n, _ in axes))
         return World(devices=chosen, mesh=world_mesh, global_batch_size=int(global_batch_size),
                      local_batch_size=local)

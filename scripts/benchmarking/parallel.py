@@ -1,4 +1,4 @@
-"""``--parallel``: data, pipeline and tensor parallelism side by side on the same devices.
+"""``--parallel``: data, FSDP, pipeline and tensor parallelism side by side on the same devices.
 
 Per mesh shape (``--meshes``, default ``data:8;data:2,stage:4;data:4,model:2``), one
 trainer is built by ``trjax.train.trainer.setup`` for the same model, image size and
@@ -13,7 +13,7 @@ global batch; the train steps are then timed in interleaved rounds
   (:func:`trjax.comm.data_bytes`, :func:`trjax.comm.pipeline_bytes`);
 * against its reference, the data-parallel run with the same arithmetic per data
   rank (:func:`_with_references`: ``data:D`` with ``grad_accumulation_steps = M``
-  for a pipeline, ``data:D`` for tensor parallelism), the step time and temp-memory
+  for a pipeline, ``data:D`` for tensor parallelism, ``data:D*F`` for FSDP), the step time and temp-memory
   ratios; for a pipeline also the analytic bubble ``(S-1)/(M+S-1)`` and its time
   factor ``(M+S-1)/M`` (the bubble ticks compute on masked zeros).
 
@@ -89,6 +89,8 @@ def _with_references(meshes, microbatches):
             ref = f"data:{sizes['data']} accum:{microbatches}"
         elif "model" in sizes:
             ref = f"data:{sizes['data']}"
+        elif "fsdp" in sizes:  # the same rows per device: data over every device
+            ref = f"data:{sizes.get('data', 1) * sizes['fsdp']}"
         if ref is not None and ref not in seen and ref not in meshes:
             out.append((ref, None))
             seen.add(ref)
@@ -109,7 +111,7 @@ def _build(a, name, reference, data, variants) -> dict:
     for v in sizes.values():
         n *= v
     c = make_config(a, n, "two")
-    c.mesh = mesh if len(sizes) > 1 else ""
+    c.mesh = "" if set(sizes) == {"data"} else mesh
     if accum:
         c.grad_accumulation_steps = int(accum)
     if "stage" in sizes:
@@ -128,6 +130,10 @@ def _build(a, name, reference, data, variants) -> dict:
            "memory": tr.train_step.memory(), "by_axis": per_axis,
            "model_bytes": {"data": comm.data_bytes(tr.plan.gradient_bytes, n_grad),
                            "data_N": n_grad}}
+    fsdp = tr.layout.details.get("fsdp_traffic_bytes")
+    if fsdp is not None:  # issued result bytes over fsdp, as comm.by_axis counts them
+        row["model_bytes"].update(fsdp=fsdp["all_gather"] + fsdp["reduce_scatter"],
+                                  fsdp_ring=fsdp["ring"])
     if tr.layout.point_to_point is not None:  # a pipeline
         shares, M = tr.layout.details["pipeline_stage_shares"], tr.layout.details[
             "pipeline_microbatches"]
@@ -158,6 +164,9 @@ def markdown(out: dict) -> str:
         mem, st = r["memory"], r.get("stages")
         axes = "; ".join(f"{k}: {v['count']} x, {v['bytes']} B" for k, v in r["by_axis"].items())
         model = f"data 2(N-1)/N\\|g\\| = {r['model_bytes']['data']:.0f} B (N={r['model_bytes']['data_N']})"
+        if "fsdp" in r["model_bytes"]:
+            model += (f"; fsdp all-gather + reduce-scatter = {r['model_bytes']['fsdp']} B "
+                      f"(ring {r['model_bytes']['fsdp_ring']:.0f} B)")
         if st:
             model += (f"; stage 2 M mu \\|a\\| = {r['model_bytes']['stage_useful']} B useful, "
                       f"{r['model_bytes']['stage_issued']} B issued")

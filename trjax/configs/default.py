@@ -41,8 +41,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.cpu_reuse_memory = False     # glibc keeps freed host memory: no page faults per step;
     #                                pays for big models only (trjax.cpu.host)
     c.mesh = ""                    # "" (one data axis over every device), or named axes,
-    #                                data outermost: "data:2,stage:4" (pipeline) or
-    #                                "data:4,model:2" (tensor parallel); docs/parallelism.md
+    #                                data outermost: "data:2,fsdp:4" (FSDP), "data:2,stage:4"
+    #                                (pipeline) or "data:4,model:2" (tensor parallel);
+    #                                docs/parallelism.md
     c.pipeline_microbatches = 0    # micro-batches per step on a 'stage' mesh (0: 4 x stages)
     c.pipeline_stage_starts = ""   # "" (balanced by MACs) or the blocks that begin stages
     #                                1..S-1, e.g. "stage2_block1,stage3_block1"

@@ -8,6 +8,8 @@ axes the gradient buckets and the BN sums are reduced over, and ONE
 calls whatever the mesh. Constructors:
 
 * :func:`data_parallel` (``data`` only);
+* :func:`trjax.parallel.fsdp.layout` (``data`` x ``fsdp``: FSDP / ZeRO-3, the
+  parameters, gradients and optimizer state sharded over ``fsdp``);
 * :func:`trjax.parallel.tensor.layout` (``data`` x ``model``: Megatron tensor
   parallelism of trjax's ResNets, the layers and mappings in :mod:`trjax.tensor`);
 * :func:`trjax.parallel.pipeline.layout` (``data`` x ``stage``: GPipe / 1F1B);
@@ -20,7 +22,7 @@ never import this package, except the trainer (:mod:`trjax.train`), which
 builds the layout.
 """
 
-from trjax.parallel import pipeline, tensor  # noqa: F401
+from trjax.parallel import fsdp, pipeline, tensor  # noqa: F401
 from trjax.parallel.layout import Layout, data_parallel, like_params  # noqa: F401
 from trjax.parallel.mesh import (check_config, from_config, mesh_sizes,  # noqa: F401
                                  pipeline_microbatches)

@@ -59,7 +59,7 @@ class Layout:
         step mixes split and replicated leaves in its buckets: ``False``).
       local_shapes: ``(params, batch_stats) -> (params, batch_stats)`` of one
         device's shapes for the bucket plan, or ``None`` (the full shapes).
-      kind: ``"data"``, ``"tensor"`` or ``"pipeline"``.
+      kind: ``"data"``, ``"tensor"``, ``"pipeline"`` or ``"fsdp"``.
       details: what ``summary.json`` records about the layout (the pipeline's
         micro-batches and stage shares).
       line: the start-up line that describes it (``""``: none).
@@ -68,6 +68,13 @@ class Layout:
       collective_labels: ``{axis: {collective kind: label}}``: what a collective
         over a model-parallel axis carries (the report's labels of collectives
         the plan's sizes do not name).
+      gather: ``(params) -> params`` inside ``shard_map``: the whole parameters
+        from this device's shards, for the evaluation and the BN folding (FSDP's
+        all-gather), or ``None``: the parameters are used as they are held.
+      finite_axes: axes whose devices hold different parts of the reduced
+        gradient (FSDP's shards): the non-finite flag is summed over them so that
+        every device applies or skips the same update; ``None``: every device
+        sees the same reduced values.
     """
     world: Any
     model: Any
@@ -89,6 +96,8 @@ class Layout:
     line: str = ""
     point_to_point: Callable | None = None
     collective_labels: dict = dataclasses.field(default_factory=dict)
+    gather: Callable | None = None
+    finite_axes: Any = None
 
     @property
     def data_axis(self) -> str:

@@ -2,14 +2,15 @@
 checks a model-parallel mesh makes before anything is traced.
 
 The one place that reads a mesh's axis names: ``data`` only is
-:func:`~trjax.parallel.layout.data_parallel`, a ``stage`` axis
+:func:`~trjax.parallel.layout.data_parallel`, an ``fsdp`` axis
+:func:`trjax.parallel.fsdp.layout`, a ``stage`` axis
 :func:`trjax.parallel.pipeline.layout`, a ``model`` axis
 :func:`trjax.parallel.tensor.layout`.
 """
 
 from __future__ import annotations
 
-from trjax.parallel import pipeline, tensor
+from trjax.parallel import fsdp, pipeline, tensor
 from trjax.parallel.layout import Layout, data_parallel
 
 
@@ -30,7 +31,7 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
     :class:`trjax.models.Network`), with the config's names in every message.
 
     Raises:
-      ValueError: your own optimizer (``tx``) on a ``model`` axis (a norm over a
+      ValueError: your own optimizer (``tx``) on an ``fsdp`` or ``model`` axis (a norm over a
         split layer would be per slice); what the constructors raise (not a trjax
         ResNet, channels that do not divide, micro-batches that do not fit, bad
         stage starts), before anything is traced.
@@ -41,13 +42,16 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
                                pipeline_microbatches(config),
                                _stage_plan(config, world, model, image_shape),
                                remat=config.pipeline_remat, schedule=config.pipeline_schedule)
+    split = [a for a in (fsdp.FSDP_AXIS, "model") if a in sizes]
+    if split and tx is not None:
+        raise ValueError(f"tx= (your own optimizer) on config.mesh={config.mesh!r}: with a "
+                         f"'{split[0]}' axis it would see each device's slice of a split leaf, "
+                         "so a norm over a layer or all leaves (clipping, LARS) would be per "
+                         "slice; use config.optimizer='sgd' or 'adamw', or a mesh without "
+                         f"'{split[0]}'")
+    if fsdp.FSDP_AXIS in sizes:
+        return fsdp.layout(model, world, image_shape, config.bn_mode, config.buckets)
     if "model" in sizes:
-        if tx is not None:
-            raise ValueError(f"tx= (your own optimizer) on config.mesh={config.mesh!r}: with a "
-                             "'model' axis it would see each device's slice of a split layer, so "
-                             "a norm over a layer or all leaves (clipping, LARS) would be per "
-                             "slice; use config.optimizer='sgd' or 'adamw', or a mesh without "
-                             "'model'")
         return tensor.layout(model, world, image_shape, config.bn_mode)
     return data_parallel(model, world, image_shape, config.bn_mode)
 
@@ -87,6 +91,8 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
     c, sizes = config, mesh_sizes(config)
     stage, model = "stage" in sizes, "model" in sizes  # size 1 too: a GPU's 1 x 1 check
     _check_pipeline_keys(c, stage)
+    if fsdp.FSDP_AXIS in sizes:
+        _check_fsdp(c, stage, model)
     if not (stage or model):
         return
     if stage and model:
@@ -113,6 +119,27 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
     for key, ok, fix in wants:
         if not ok:
             raise ValueError(f"config.{key}={c[key]!r} is not supported with {kind} "
+                             f"(config.mesh={c.mesh!r}): set it to {fix}, or use a mesh with "
+                             "the data axis only")
+
+
+def _check_fsdp(c, stage: bool, model: bool) -> None:
+    """An ``fsdp`` axis: alone with ``data``, XLA's collectives, an elementwise
+    optimizer (each device updates its own 1/F slice of each leaf)."""
+    if stage or model:
+        raise ValueError(f"config.mesh={c.mesh!r}: an 'fsdp' axis with a 'stage' or 'model' axis "
+                         "is not supported yet; use 'data:D,fsdp:F' (or 'fsdp:F')")
+    wants = [("allreduce", c.allreduce == "xla", "'xla'"),
+             ("compression", c.compression == "none", "'none'"),
+             ("shard_optimizer_state", not c.shard_optimizer_state,
+              "False (the fsdp axis already shards the optimizer state)"),
+             ("optimizer", c.optimizer in ("sgd", "adamw"),
+              "'sgd' or 'adamw' (LARS's per-layer norm would be per shard)"),
+             ("grad_clip_norm", not c.grad_clip_norm,
+              "0 (the global norm would be per shard)")]
+    for key, ok, fix in wants:
+        if not ok:
+            raise ValueError(f"config.{key}={c[key]!r} is not supported with an 'fsdp' axis "
                              f"(config.mesh={c.mesh!r}): set it to {fix}, or use a mesh with "
                              "the data axis only")
 

@@ -1,0 +1,196 @@
+"""Issue 38, item 2: the FSDP (ZeRO-3) layout, an ``fsdp`` mesh axis.
+
+The oracle. On data:D,fsdp:F the batch splits over data x fsdp in device order, so device
+r holds the rows, the dropout key and the BN share of device r of data:D*F; the
+parameters are all-gathered whole before the forward, and the reduce-scatter sums the same
+per-device gradients as data parallelism's all-reduce (in another order), so each step
+lands within helpers.reorder_rounding_bound of the data:D*F step from the same state. The
+initial state is the same bits (each leaf is the whole array, sharded)."""
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from helpers import (assert_each_step_within_reorder_rounding, digit_like_batches, put_like,
+                     small_config, to_host, trainer_batch, trainer_states)
+from trjax import comm
+from trjax.parallel import fsdp
+from trjax.train import trainer
+
+GLOBAL = 32
+STEPS = 3
+
+
+def _config(bn_mode, optimizer, mesh="", **kw):
+    kw = dict(global_batch_size=GLOBAL, eval_batch_size=GLOBAL, bn_mode=bn_mode,
+              warmup_epochs=0, optimizer=optimizer,
+              learning_rate=0.1 if optimizer == "sgd" else 0.003,
+              **({"adam_eps": 1.0} if optimizer == "adamw" else {}), **kw)
+    return small_config(devices="8", mesh=mesh, **kw)
+
+
+@pytest.fixture(scope="module")
+def trainers():
+    """``get(bn_mode, optimizer, mesh="", **kw)``: each trainer set up once for the module."""
+    made = {}
+
+    def get(bn_mode, optimizer, mesh="", **kw):
+        key = (bn_mode, optimizer, mesh, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = trainer.setup(_config(bn_mode, optimizer, mesh, **kw))
+        return made[key]
+    return get
+
+
+@pytest.mark.parametrize("bn_mode,optimizer,mesh,precision", [
+    ("sync", "sgd", "data:2,fsdp:4", "fp32"),
+    ("running", "adamw", "data:2,fsdp:4", "fp32"),
+    ("local", "sgd", "fsdp:8", "fp16")])
+def test_fsdp_step_equals_data_parallel(bn_mode, optimizer, mesh, precision, trainers):
+    """Each of 3 steps of the FSDP step from the data:8 step's state lands within the
+    one-step bound of the data:8 step (parameters, BN statistics, optimizer state, all
+    whole arrays); the metric sums and the evaluation agree. fp16 runs with its loss scale
+    (2^15 at the start: the scaled gradient's reduce-scatter and the unscaling)."""
+    fs = trainers(bn_mode, optimizer, mesh, precision=precision)
+    dp = trainers(bn_mode, optimizer, precision=precision)
+    assert fs.layout.kind == "fsdp" and fs.world.data_size == 8 and fs.world.local_batch_size == 4
+    start = to_host(dp.state)
+    for a, b in zip(jax.tree_util.tree_leaves(to_host(fs.state)), jax.tree_util.tree_leaves(start)):
+        np.testing.assert_array_equal(a, b)  # same initial state, bit for bit
+    specs = [x.sharding.spec for x in jax.tree_util.tree_leaves(fs.state.params)]
+    assert sum("fsdp" in s for s in specs) == len(specs) - 1  # the head's bias [10] stays whole
+    opt = [x for x in jax.tree_util.tree_leaves(fs.state.opt_state) if x.ndim]
+    assert all("fsdp" in x.sharding.spec for x in opt if x.shape[-1] != 10 or x.ndim > 1)
+    batches = digit_like_batches(STEPS, GLOBAL)
+    ref, ref_m = trainer_states(dataclasses.replace(dp, state=put_like(start, dp.state)), batches)
+    worst, got_m = assert_each_step_within_reorder_rounding(
+        ref, lambda s, b: fs.train_step(s, trainer_batch(fs, b)), fs.state, batches,
+        GLOBAL // 8 * 64)
+    print(f"{mesh} {bn_mode} {optimizer} {precision}: worst leaf / bound {worst:.3g}")
+    for a, b in zip(got_m, ref_m):
+        assert a.count == b.count == GLOBAL - 3 and a.top1 == b.top1 and a.finite == b.finite
+        np.testing.assert_allclose(a.loss_sum, b.loss_sum, rtol=1e-5)
+    va = trainer.evaluate_pass(fs, put_like(ref[-1], fs.state))
+    vb = trainer.evaluate_pass(dp, put_like(ref[-1], dp.state))
+    assert va["count"] == vb["count"] == len(dp.data.val.labels)
+    np.testing.assert_allclose(va["sums"], vb["sums"], rtol=1e-4)
+
+
+def test_a_non_finite_shard_skips_the_update_on_every_device(trainers):
+    """A gradient that is NaN in one fsdp rank's shard only (after the reduce-scatter) is
+    seen by every device through the flag summed over fsdp: the whole update is skipped on
+    all 8 devices, every leaf kept bitwise. Without the flag's sum the devices of the other
+    fsdp ranks would apply their shards' updates (checked by removing it: the test fails)."""
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+    from trjax import steps
+    from trjax.state import state_specs
+    fs = trainers("sync", "sgd", "data:2,fsdp:4")
+    lay, opts = fs.layout, trainer.step_options(fs)
+
+    def local(state, batch):
+        grads, sums, bn_sums, rules = lay.forward_backward(
+            state.params, lay.own_stats(state.batch_stats), batch, opts, None, jax.random.key(0))
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        leaves[1] = leaves[1] + jnp.where(lax.axis_index("fsdp") == 1, jnp.nan, 0.0)
+        return steps.apply_gradients(state, jax.tree_util.tree_unflatten(treedef, leaves), sums,
+                                     bn_sums, rules, fs.plan, fs.exchange, lay, opts)
+
+    specs = state_specs(lay, fs.exchange)
+    step = jax.jit(jax.shard_map(local, mesh=fs.world.mesh, in_specs=(specs, lay.batch),
+                                 out_specs=(specs, P()), check_vma=False))
+    start = to_host(fs.state)
+    new, m = step(put_like(start, fs.state), trainer_batch(fs, digit_like_batches(1, GLOBAL)[0]))
+    assert float(to_host(m).finite) == 0.0 and int(to_host(new.skipped_steps)) == 1
+    for a, b in zip(jax.tree_util.tree_leaves(to_host((new.params, new.opt_state))),
+                    jax.tree_util.tree_leaves((start.params, start.opt_state))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_fsdp_collectives_by_axis(trainers):
+    """The compiled step (running BN): over 'fsdp' one all-gather per bucket, one
+    reduce-scatter per bucket in the plan's order (deep first) whose scattered sizes are the
+    plan's local buckets plus the whole leaves and metric sums, and one non-finite flag; over
+    'data' the two bucket all-reduces of the 1/F shards (deep first); the BN statistics over
+    data x fsdp. The gathered bytes are the whole parameters (the traffic model's figure)."""
+    tr = trainers("running", "adamw", "data:2,fsdp:4")
+    cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
+    mesh, plan = tr.world.mesh, tr.plan
+    by = {}
+    for c in cols:
+        by.setdefault(comm.axis_of(c, mesh), []).append(c)
+    assert set(by) == {"fsdp", "data", ("data", "fsdp")}, by.keys()
+    kinds = lambda a: sorted(c["kind"] for c in by[a])
+    assert kinds("fsdp") == ["all-gather"] * 2 + ["all-reduce"] + ["reduce-scatter"] * 2
+    deep, first = plan.bucket_elements["deep"], plan.bucket_elements["first"]
+    assert [c["elements"] for c in by["fsdp"] if c["kind"] == "reduce-scatter"] == [deep, first]
+    assert [c["elements"] for c in by["data"]] == [deep, first]  # metrics ride in 'deep'
+    assert [c["elements"] for c in by[("data", "fsdp")]] == [plan.stat_sums_elements]
+    model = tr.layout.details["fsdp_traffic_bytes"]
+    got = comm.by_axis(cols, mesh)["fsdp"]["bytes"]
+    assert got == model["all_gather"] + model["reduce_scatter"] + 4  # + the flag
+
+
+def test_rows_round_trip_and_shard_dims():
+    """A leaf split along any dimension into rows and back is the same bits; the split
+    dimension is the last that divides (a dense kernel [64, 10] on 4 devices: its inputs)."""
+    x = jnp.arange(2 * 8 * 3 * 4, dtype=jnp.float32).reshape(2, 8, 3, 4)
+    for d in (1, 3):
+        rows = fsdp._to_rows(x, d, 4)
+        local = list(x.shape)
+        local[d] //= 4
+        np.testing.assert_array_equal(fsdp._from_rows(rows, d, local), x)
+        np.testing.assert_array_equal(rows[1], np.take(x, range(x.shape[d] // 4,
+                                                                 2 * x.shape[d] // 4),
+                                                       axis=d).reshape(-1))
+    tree = {"k": jnp.zeros((3, 3, 16, 32)), "dense": jnp.zeros((64, 10)), "b": jnp.zeros(10)}
+    assert fsdp.shard_dims(tree, 4) == {"k": 3, "dense": 0, "b": None}
+
+
+@pytest.mark.parametrize("change,words", [
+    (dict(mesh="data:2,fsdp:2,stage:2"), ["'fsdp' axis with a 'stage'", "data:D,fsdp:F"]),
+    (dict(optimizer="lars"), ["config.optimizer='lars'", "'sgd' or 'adamw'"]),
+    (dict(grad_clip_norm=1.0), ["config.grad_clip_norm=1.0", "per shard"]),
+    (dict(shard_optimizer_state=True), ["shard_optimizer_state=True", "already shards"]),
+    (dict(mesh="fsdp:4,data:2"), ["order", "data:2,fsdp:4"]),
+    (dict(global_batch_size=12), ["data x fsdp", "size 8"])])
+def test_bad_fsdp_configs_are_refused_before_compiling(change, words, monkeypatch):
+    """Each message names the key and the fix; nothing is compiled."""
+    from trjax import aot
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    c = small_config(**{"devices": "8", "mesh": "data:2,fsdp:4", **change})
+    with pytest.raises(ValueError) as e:
+        trainer.setup(c)
+    for w in words:
+        assert w in str(e.value), str(e.value)
+
+
+def test_your_own_optimizer_on_fsdp_is_refused():
+    import optax
+    with pytest.raises(ValueError, match="'fsdp' axis it would see each device's slice"):
+        trainer.prepare(small_config(devices="8", mesh="data:2,fsdp:4"), tx=optax.sgd(0.1))
+
+
+@pytest.mark.job
+def test_fsdp_resume_and_checkpoints_move_between_meshes(tmp_path):
+    """data:2,fsdp:4 halted at step 6 and resumed to the end of the epoch is bitwise the run
+    that never stopped; its checkpoint restores onto data:8 with every leaf bitwise, and a
+    data:8 checkpoint onto fsdp:8 (the state's leaves are whole arrays on every mesh)."""
+    from trjax.train import train_and_evaluate
+    bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
+    cfg = dict(devices="8", mesh="data:2,fsdp:4", num_epochs=1, checkpoint_every_steps=6)
+    full, s_full = train_and_evaluate(small_config(**cfg), str(tmp_path / "full"))
+    _, s_cut = train_and_evaluate(small_config(halt_after_steps=6, **cfg), str(tmp_path / "cut"))
+    assert s_cut["halted"] and s_cut["steps"] == 6
+    resumed, s_res = train_and_evaluate(small_config(**cfg), str(tmp_path / "cut"))
+    assert s_res["steps"] == s_full["steps"] == 12 and s_res["mesh"] == "data:2,fsdp:4"
+    for name in ("params", "batch_stats", "opt_state"):
+        assert bits(getattr(resumed, name)) == bits(getattr(full, name)), name
+    assert s_res["val_top1"] == s_full["val_top1"]
+    for mesh in ("", "fsdp:8"):  # data:8 reads the fsdp checkpoint; fsdp:8 reads it back
+        moved, s = train_and_evaluate(small_config(**dict(cfg, mesh=mesh)), str(tmp_path / "full"))
+        assert s["steps"] == 12
+        for name in ("params", "batch_stats", "opt_state"):
+            assert bits(getattr(moved, name)) == bits(getattr(full, name)), (mesh, name)
