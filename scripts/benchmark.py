@@ -20,9 +20,9 @@ CPU profile, time to accuracy.
   # processes: trjax cold cache, trjax warm cache, the PyTorch DDP twin (gloo, 2 ranks)
   python scripts/benchmark.py --time_to_accuracy [--rounds 2]
 
-  # data, pipeline and tensor parallelism on the same 8 devices (ResNet-50 at 224,
+  # data, FSDP, pipeline and tensor parallelism on the same 8 devices (ResNet-50 at 224,
   # global batch 8): images/s, per-device memory, bubble, bytes per mesh axis
-  python scripts/benchmark.py --parallel [--meshes "data:8;data:2,stage:4;data:4,model:2"]
+  python scripts/benchmark.py --parallel [--meshes "data:8;data:2,fsdp:4;fsdp:8;data:2,stage:4;data:4,model:2"]
 
 Variants of the throughput modes, per world size N:
   trjax/two       config.buckets="two" (two contiguous gradient buckets)

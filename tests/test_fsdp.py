@@ -194,3 +194,33 @@ def test_fsdp_resume_and_checkpoints_move_between_meshes(tmp_path):
         assert s["steps"] == 12
         for name in ("params", "batch_stats", "opt_state"):
             assert bits(getattr(moved, name)) == bits(getattr(full, name)), (mesh, name)
+
+
+@pytest.mark.parametrize("kind", ["linen_dropout", "nnx_bn", "linen_bn"])
+def test_your_own_model_on_fsdp_equals_data_parallel(kind):
+    """Your own linen / NNX CNN (tests/test_models_any.py's, written as flax's docs write
+    them: flax's BatchNorm and Dropout) on data:2,fsdp:4: one step from the same initial
+    state lands within the one-step bound of data:8's (same rows, same dropout keys per
+    rank), and its evaluation gives the same sums."""
+    from test_models_any import KINDS, _config, _digits, _within_bound
+    from trjax.data import input_pipeline as ip
+    data = _digits()
+    batch = {"image": data.train.images[:GLOBAL], "label": data.train.labels[:GLOBAL],
+             "mask": np.ones(GLOBAL, np.float32)}
+    runs = {}
+    for mesh in ("", "data:2,fsdp:4"):
+        tr = trainer.setup(_config("8", mesh=mesh), data, model=KINDS[kind]())
+        start = to_host(tr.state)
+        after, m = tr.train_step(tr.state, ip.to_device(batch, tr.world.sharded(), 10))
+        runs[mesh] = (tr, start, to_host(after), to_host(m))
+    (dp, s0, a0, m0), (fs, s1, a1, m1) = runs[""], runs["data:2,fsdp:4"]
+    assert fs.layout.kind == "fsdp"
+    for a, b in zip(jax.tree_util.tree_leaves(s0), jax.tree_util.tree_leaves(s1)):
+        np.testing.assert_array_equal(a, b)
+    worst = _within_bound((a1.params, a1.batch_stats), (a0.params, a0.batch_stats),
+                          (s0.params, s0.batch_stats))
+    print(f"{kind}: worst leaf / bound {worst:.3g}")
+    assert m1.count == m0.count and m1.top1 == m0.top1
+    va, vb = trainer.evaluate_pass(fs, put_like(a0, fs.state)), \
+        trainer.evaluate_pass(dp, put_like(a0, dp.state))
+    np.testing.assert_allclose(va["sums"], vb["sums"], rtol=1e-4)

@@ -412,3 +412,34 @@ def test_errors():
     with pytest.raises(ValueError, match="pipeline splits trjax.models.ResNet"):
         import flax.linen as nn
         trace(4, model=nn.Dense(10))
+
+
+@pytest.mark.parametrize("S,local,D,bn_mode,want", [
+    (4, 64, 2, "running", 4),   # the main job on data:2,stage:4: 16 rows per device
+    (4, 64, 2, "sync", 8),      # sync sums a micro-batch over data: 8 rows x 2
+    (2, 64, 2, "sync", 8),      # 4 S = 8 keeps 16 rows
+    (4, 256, 1, "running", 16),  # a big batch: GPipe's 4 S
+    (3, 16, 2, "sync", 4),      # no M keeps 16 rows: the largest groups (M = 4: 8 rows)
+    (3, 2, 2, "sync", 12),      # nothing divides: 4 S (the check names the valid counts)
+])
+def test_default_microbatches_keep_batchnorm_groups(S, local, D, bn_mode, want):
+    """The default M: the largest divisor of the local batch in [S, 4 S] whose BatchNorm
+    groups keep >= 16 rows (local / M, times D in sync mode), by hand."""
+    from trjax.parallel import pipeline
+    assert pipeline.default_microbatches(S, local, D, bn_mode) == want
+
+
+def test_few_rows_per_batchnorm_warn(recwarn):
+    """A user's M that leaves fewer than 16 rows per BatchNorm group warns, naming the rows
+    and the fix; the default (M = 2: 16 rows) does not warn."""
+    from trjax import models
+    from trjax.parallel import pipeline
+    world = make_world("4", 64, mesh="data:2,stage:2")
+    model = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name="data")
+    with pytest.warns(UserWarning, match="each BatchNorm normalises 4 rows .running mode., "
+                                         "fewer than 16"):
+        pipeline.layout(model, world, (8, 8, 1), "running", num_microbatches=8)
+    recwarn.clear()
+    lay = pipeline.layout(model, world, (8, 8, 1), "running", num_microbatches=0)
+    assert lay.details["pipeline_microbatches"] == 2 and "BatchNorm over 16 rows" in lay.line
+    assert not [w for w in recwarn if "BatchNorm normalises" in str(w.message)]

@@ -133,8 +133,8 @@ def test_model_parallel_config_errors(overrides, needle):
     (dict(mesh="data:2,stage:2", pipeline_microbatches=3),
      "config.pipeline_microbatches=3 does not fit 2 stages and a local batch of 16 rows"),
     (dict(mesh="data:2,stage:2", pipeline_microbatches=1), "must be >= 2"),
-    (dict(mesh="data:2,stage:3", devices="6"), "config.pipeline_microbatches=0 (the default: "
-                                               "4 x 3 stages = 12) does not fit 3 stages"),
+    (dict(mesh="data:2,stage:3", devices="6", global_batch_size=4, eval_batch_size=4),
+     "config.pipeline_microbatches=0 (the default for 3 stages: 12) does not fit 3 stages"),
     (dict(mesh="data:2,stage:2", pipeline_stage_starts="stage3_block1,stage2_block1"),
      "config.pipeline_stage_starts='stage3_block1,stage2_block1': 2 stages need 1 stage starts"),
     (dict(mesh="data:2,model:2", eval_batch_size=33), "config.eval_batch_size 33 is not "
@@ -180,7 +180,7 @@ def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path, capsys):
     assert s_full["world_size"] == 4 and s_full["local_batch_size"] == 64
     np.testing.assert_allclose(sum(s_full["pipeline_stage_shares"]), 1.0)
     text = capsys.readouterr().out
-    assert "mesh=data:2,stage:2" in text and "pipeline: 2 stages x 8 micro-batches (gpipe)" in text
+    assert "mesh=data:2,stage:2" in text and "pipeline: 2 stages x 8 micro-batches (gpipe; BatchNorm over 16 rows)" in text
     _, s_cut = train_and_evaluate(small_config(halt_after_steps=6, **cfg), str(tmp_path / "cut"))
     assert s_cut["halted"] and s_cut["steps"] == 6
     resumed, s_res = train_and_evaluate(small_config(**cfg), str(tmp_path / "cut"))

@@ -81,7 +81,7 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
     p.add_argument("--parallel", action="store_true",
                    help="data / pipeline / tensor parallel meshes side by side on the same "
                         "devices (default ResNet-50 at 224, global batch 8, 8 CPU devices)")
-    p.add_argument("--meshes", default="data:8;data:2,stage:4;data:4,model:2",
+    p.add_argument("--meshes", default="data:8;data:2,fsdp:4;fsdp:8;data:2,stage:4;data:4,model:2",
                    help="--parallel: ';'-separated config.mesh values")
     p.add_argument("--pipeline_microbatches", type=int, default=4,
                    help="--parallel: micro-batches per step on a 'stage' mesh")

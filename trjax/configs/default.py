@@ -44,7 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
     #                                data outermost: "data:2,fsdp:4" (FSDP), "data:2,stage:4"
     #                                (pipeline) or "data:4,model:2" (tensor parallel);
     #                                docs/parallelism.md
-    c.pipeline_microbatches = 0    # micro-batches per step on a 'stage' mesh (0: 4 x stages)
+    c.pipeline_microbatches = 0    # micro-batches per step on a 'stage' mesh (0: up to
+    #                                4 x stages, keeping >= 16 rows per BatchNorm)
     c.pipeline_stage_starts = ""   # "" (balanced by MACs) or the blocks that begin stages
     #                                1..S-1, e.g. "stage2_block1,stage3_block1"
     c.pipeline_schedule = "gpipe"  # "gpipe" or "1f1b" (stashes at most 2S-1 stage inputs)

@@ -62,14 +62,11 @@ def shard_dims(params, size: int):
     return jax.tree_util.tree_map(dim, params)
 
 
-def _spec(ndim: int, d):
-    return P() if d is None else P(*([None] * d + [FSDP_AXIS]))
-
-
-def param_specs(params, dims):
-    """``PartitionSpec`` per leaf: ``fsdp`` on its :func:`shard_dims` dimension."""
-    return jax.tree_util.tree_map(lambda x, d: _spec(len(x.shape), d), params, dims,
-                                  is_leaf=lambda x: x is None)
+def param_specs(dims):
+    """``PartitionSpec`` per leaf of ``dims`` (:func:`shard_dims`): ``fsdp`` on its
+    dimension, ``P()`` for a whole leaf."""
+    return jax.tree_util.tree_map(lambda d: P() if d is None else P(*([None] * d + [FSDP_AXIS])),
+                                  dims, is_leaf=lambda x: x is None)
 
 
 def local_shapes(params, dims, size: int):
@@ -224,7 +221,7 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
                          "smaller fsdp size or the data axis only")
     plan = build_plan(net, image_shape, buckets, local=lambda p, s: (local_shapes(p, dims, size), s))
     groups, metrics_bucket = bucket_groups(plan), plan.metrics_slot[0]
-    specs = param_specs(params, dims)
+    specs = param_specs(dims)
     local = bn_mode == "local"
     t = traffic(dims, params, size)
     whole = [jax.tree_util.keystr(p) for (p, _), d in

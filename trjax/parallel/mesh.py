@@ -20,10 +20,13 @@ def mesh_sizes(config) -> dict:
     return dict(parse_mesh(config.mesh)) if config.mesh else {}
 
 
-def pipeline_microbatches(config) -> int:
-    """M: ``config.pipeline_microbatches``, or 4 x stages when it is 0 (GPipe's
-    rule of thumb, Huang et al. 2019: the bubble is small for M >= 4 S)."""
-    return config.pipeline_microbatches or 4 * mesh_sizes(config).get("stage", 1)
+def pipeline_microbatches(config, world) -> int:
+    """M: ``config.pipeline_microbatches``, or when it is 0
+    :func:`trjax.parallel.pipeline.default_microbatches` (the most micro-batches up
+    to 4 x stages whose BatchNorm groups keep 16 rows)."""
+    return config.pipeline_microbatches or pipeline.default_microbatches(
+        dict(world.axes).get("stage", 1), world.local_batch_size, world.data_size,
+        config.bn_mode)
 
 
 def from_config(config, world, model, image_shape, tx=None) -> Layout:
@@ -39,7 +42,7 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
     sizes = dict(world.axes)
     if "stage" in sizes:
         return pipeline.layout(model, world, image_shape, config.bn_mode,
-                               pipeline_microbatches(config),
+                               pipeline_microbatches(config, world),
                                _stage_plan(config, world, model, image_shape),
                                remat=config.pipeline_remat, schedule=config.pipeline_schedule)
     split = [a for a in (fsdp.FSDP_AXIS, "model") if a in sizes]
@@ -58,10 +61,10 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
 
 def _stage_plan(config, world, model, image_shape) -> pipeline.StagePlan:
     """The pipeline's stage plan, checked with the config's names in every message."""
-    S, M = dict(world.axes)["stage"], pipeline_microbatches(config)
+    S, M = dict(world.axes)["stage"], pipeline_microbatches(config, world)
     starts = [b.strip() for b in config.pipeline_stage_starts.split(",") if b.strip()]
     what = (f"config.pipeline_microbatches={M}" if config.pipeline_microbatches else
-            f"config.pipeline_microbatches=0 (the default: 4 x {S} stages = {M})")
+            f"config.pipeline_microbatches=0 (the default for {S} stages: {M})")
     return pipeline.check_pipeline(
         model.module, image_shape, S, world.local_batch_size, M, starts or None, what=what,
         starts_what=f"config.pipeline_stage_starts={config.pipeline_stage_starts!r}")

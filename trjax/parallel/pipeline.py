@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from typing import Sequence
 
 import flax.linen as nn
@@ -539,6 +540,34 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
 # -- the pipelined train step ---------------------------------------------------------------
 
 
+MIN_BN_ROWS = 16
+"""Rows a BatchNorm should normalise together: below 16 per group its error rises
+quickly (Wu & He, "Group Normalization", ECCV 2018, Fig. 1: ResNet-50 on ImageNet,
+batch 32 -> 16 -> 8 per group); the default micro-batch count keeps at least this many."""
+
+
+def bn_rows(local_batch: int, num_microbatches: int, data_size: int, bn_mode: str) -> int:
+    """Rows one BatchNorm normalises together in a pipelined step: a micro-batch's rows
+    on one data rank (``local_batch / M``), times the data ranks in ``sync`` mode (its
+    statistics are summed over ``data`` per micro-batch)."""
+    return local_batch // num_microbatches * (data_size if bn_mode == "sync" else 1)
+
+
+def default_microbatches(num_stages: int, local_batch: int, data_size: int,
+                         bn_mode: str) -> int:
+    """M when the config leaves it 0: the largest divisor of ``local_batch`` in
+    ``[S, 4 S]`` (GPipe's rule of thumb, Huang et al. 2019: the bubble
+    ``(S-1)/(M+S-1)`` is small for M >= 4 S) whose BatchNorm groups keep at least
+    :data:`MIN_BN_ROWS` rows (:func:`bn_rows`); the smallest valid M (the largest
+    groups) when none does, and ``4 S`` when no M in ``[S, 4 S]`` divides (the
+    checks then name the valid ones)."""
+    fits = [m for m in range(num_stages, 4 * num_stages + 1) if local_batch % m == 0]
+    if not fits:
+        return 4 * num_stages
+    healthy = [m for m in fits if bn_rows(local_batch, m, data_size, bn_mode) >= MIN_BN_ROWS]
+    return max(healthy) if healthy else min(fits)
+
+
 def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_batch: int,
                    num_microbatches: int, starts: Sequence[str] | None = None,
                    what: str | None = None, starts_what: str | None = None) -> StagePlan:
@@ -647,7 +676,8 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
       model: a trjax ResNet (bare or in a :class:`trjax.models.Network`).
       world: a world with a ``stage`` axis; image_shape: ``(H, W, C)``.
       bn_mode: ``running`` or ``sync``.
-      num_microbatches: M per step (each of ``local / M`` rows); 0: ``4 S``.
+      num_microbatches: M per step (each of ``local / M`` rows); 0:
+        :func:`default_microbatches` (BatchNorm groups of >= :data:`MIN_BN_ROWS` rows).
       stages: the split (:func:`check_pipeline`); ``None``: balanced by MACs.
       remat: GPipe: recompute each stage in the backward (store its inputs only).
       schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
@@ -655,6 +685,9 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
     Raises:
       ValueError: ``bn_mode`` other than running/sync, a world without a
         ``stage`` axis, or what :func:`check_pipeline` raises.
+
+    Warns (``UserWarning``): an M whose BatchNorm groups hold fewer than
+    :data:`MIN_BN_ROWS` rows.
     """
     check_bn_mode(bn_mode, ("running", "sync"), "a 'stage' axis (a pipeline keeps one set "
                   "of running statistics, not one row per replica)")
@@ -662,11 +695,20 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
     if "stage" not in sizes:
         raise ValueError(f"the world's mesh {world.axes} has no 'stage' axis")
     net, data, S = models.as_network(model), world.axis_name, sizes["stage"]
-    M = num_microbatches or 4 * S
+    D, local = world.data_size, world.local_batch_size
+    M = num_microbatches or default_microbatches(S, local, D, bn_mode)
     if stages is None:
-        stages = check_pipeline(net.module, image_shape, S, world.local_batch_size, M)
+        stages = check_pipeline(net.module, image_shape, S, local, M)
+    rows = bn_rows(local, M, D, bn_mode)
+    if rows < MIN_BN_ROWS:
+        warnings.warn(f"trjax: {M} micro-batches of {local // M} rows: each BatchNorm "
+                      f"normalises {rows} rows ({bn_mode} mode), fewer than {MIN_BN_ROWS}, so its "
+                      "statistics are noisy and accuracy suffers; use fewer micro-batches "
+                      "(config.pipeline_microbatches=0 picks the most that keep "
+                      f"{MIN_BN_ROWS}), a larger global batch or bn_mode='sync'", stacklevel=2)
     fb = functools.partial(_forward_backward, net, stages, M, bn_mode, data, S, remat, schedule)
-    line = (f"pipeline: {S} stages x {M} micro-batches ({schedule}), stage MAC shares "
+    line = (f"pipeline: {S} stages x {M} micro-batches ({schedule}; BatchNorm over {rows} "
+            f"rows), stage MAC shares "
             + "/".join(f"{100 * x:.1f}%" for x in stages.shares)
             + f" (max/mean {stages.imbalance:.2f}), stages begin at "
             + ", ".join(stages.blocks[lo] for lo, _ in stages.bounds))

@@ -83,7 +83,7 @@ KEYS = {
     "mesh": Key("str", **_WHERE),  # checked by trjax.world.parse_mesh and trjax.parallel.check_config
     # where it runs, like mesh and devices (which set the rows per BN group too): may
     # change on resume; the start-up line prints the M in use
-    "pipeline_microbatches": Key("int", 0, **_WHERE, hint=" (0: 4 x stages)"),
+    "pipeline_microbatches": Key("int", 0, **_WHERE, hint=" (0: up to 4 x stages, BatchNorm groups of >= 16 rows)"),
     "pipeline_stage_starts": Key("str"),  # checked by trjax.parallel.pipeline.plan_stages
     "pipeline_schedule": Key("choice", ("gpipe", "1f1b")),  # trjax.parallel.pipeline.SCHEDULES
     "pipeline_remat": Key("bool"),
