@@ -10,6 +10,7 @@ same parameters (rank 0's key does not depend on the world). The two programs su
 orders, so values agree within helpers.reorder_rounding_bound and counts bitwise."""
 import dataclasses
 
+import flax.linen as nn
 import jax
 import numpy as np
 import pytest
@@ -209,3 +210,23 @@ def test_pipelined_step_collectives_by_axis(trainers):
                                              plan.stat_sums_elements]
     assert [c["kind"] for c in stage] == ["collective-permute"] * 2
     assert [c["trip_count"] for c in stage] == [4 + 2 - 1] * 2
+
+
+class ResNet(nn.Module):
+    """A user's own model that happens to share trjax's class name."""
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(10)(x.reshape((x.shape[0], -1)))
+
+
+@pytest.mark.parametrize("mesh", ["data:2,stage:2", "data:2,model:2"])
+def test_a_refused_model_is_named_by_its_module(mesh, monkeypatch):
+    """A model-parallel mesh refuses your own model naming its module and class, so a
+    class called ResNet is not mistaken for trjax's (issue 40)."""
+    from trjax import aot
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    with pytest.raises(ValueError) as e:
+        trainer.prepare(small_config(devices="4", mesh=mesh, global_batch_size=GLOBAL,
+                                     eval_batch_size=GLOBAL), model=ResNet())
+    assert f"{__name__}.ResNet" in str(e.value) and "trjax.models.ResNet" in str(e.value), \
+        str(e.value)

@@ -595,8 +595,10 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
     """
     module = getattr(module, "module", module)
     if not isinstance(module, models.ResNet):
-        raise ValueError(f"a 'stage' mesh axis splits trjax's own ResNets into stages; "
-                         f"{type(module).__name__} is not one: use config.model=resnet8/"
+        cls = type(module)
+        raise ValueError(f"a 'stage' mesh axis splits trjax's own ResNets "
+                         f"(trjax.models.ResNet) into stages; your model "
+                         f"{cls.__module__}.{cls.__qualname__} is not one: use config.model=resnet8/"
                          "resnet20/resnet18_cifar/resnet18/resnet50, or a mesh without 'stage'")
     valid = [m for m in range(num_stages, local_batch + 1) if local_batch % m == 0]
     if num_microbatches < num_stages or local_batch % num_microbatches:

@@ -46,8 +46,10 @@ def layout(model, world, image_shape, bn_mode: str = "sync") -> Layout:
     """
     net = models.as_network(model)
     if not isinstance(net.module, models.ResNet):
-        raise ValueError(f"a 'model' mesh axis splits trjax's own ResNets (Megatron); "
-                         f"{type(net.module).__name__} is not one: use a built-in model or "
+        cls = type(net.module)
+        raise ValueError(f"a 'model' mesh axis splits trjax's own ResNets (Megatron, "
+                         f"trjax.models.ResNet); your model {cls.__module__}.{cls.__qualname__} "
+                         "is not one: use a built-in model or "
                          "a mesh with the data axis only")
     check_bn_mode(bn_mode, ("running", "sync"), "a 'model' axis (tensor parallel)")
     sizes, axis = dict(world.axes), world.axis_name
