@@ -230,7 +230,7 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
         world=world, model=net, network=net, image_shape=tuple(image_shape), bn_mode=bn_mode,
         forward_backward=functools.partial(fsdp_forward_backward, net, bn_mode, axes, dims,
                                            groups, metrics_bucket, size),
-        grad_axes="data", bn_reduce_axes=axes if bn_mode == "running" else None,
+        grad_axes="data" if dict(world.axes)["data"] > 1 else (), bn_reduce_axes=axes if bn_mode == "running" else None,
         per_replica_stats=local, params=specs, batch_stats=P(axes) if local else P(),
         folded=P(axes) if local else P(), check_vma=False,
         local_shapes=lambda p, s: (local_shapes(p, dims, size), s), kind="fsdp",

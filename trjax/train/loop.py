@@ -185,7 +185,8 @@ def _announce(tr: Trainer, compiles, say) -> None:
         say(tr.layout.line)
     say("buckets: " + ", ".join(f"{b}={n} elements ({plan.bucket_bytes(b)} B)"
                                 for b, n in plan.bucket_elements.items()) +
-        f"; the four steps built in {sum(c.compile_s for c in tr.compiled):.1f}s")
+        f"; the four steps built in {sum(c.compile_s for c in tr.compiled):.1f}s "
+        f"(train step {tr.train_step.compile_s:.1f}s)")
     say(f"compilation cache: {compilation.cache_dir() or 'off'} (start-up: "
         f"{sum(b.cache == 'hit' for b in compiles.builds)} programs from the cache, "
         f"{sum(b.compiled for b in compiles.builds)} compiled, "
