@@ -179,7 +179,6 @@ def test_cost_model_by_hand():
 
 
 def test_bad_names_and_sizes_raise_naming_the_value():
-    x = jnp.zeros(4)
     with pytest.raises(ValueError, match="local_size=3 must be an int >= 1 dividing the world size 4"):
         per_device(lambda a: ar.hierarchical_allreduce(a, "data", 3), 4, inputs(4), False)
     with pytest.raises(ValueError, match="'fast'"):

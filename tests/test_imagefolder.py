@@ -228,7 +228,7 @@ def test_two_names_that_are_one_text_in_two_forms_are_an_error_naming_both(tmp_p
     for e in (NFD_E, NFC_E):
         (train / f"caf{e}").mkdir(parents=True)
         gradient_image(8, 6).save(train / f"caf{e}" / "a.png")
-    nfd, nfc = train / f"cafe\u0301", train / "caf\u00e9"
+    nfd, nfc = train / "cafe\u0301", train / "caf\u00e9"
     with pytest.raises(ValueError, match=esc(f"class folders {nfd} and {nfc} are the same name "
                                              "'caf\u00e9' in two Unicode forms (NFD 'cafe\\u0301', "
                                              "NFC 'caf\\xe9')") + ".*rename one"):

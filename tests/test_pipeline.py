@@ -89,7 +89,8 @@ def test_make_world_2d():
     (dict(device_spec="all", global_batch_size=9, mesh="data:2,stage:4"),
      "global_batch_size 9 is not divisible by world_size 2"),
     (dict(device_spec="all", global_batch_size=8, mesh="data:2,layer:4"), "unknown"),
-    (dict(device_spec="all", global_batch_size=8, mesh="stage:4,data:2"), "must be 'data'"),
+    (dict(device_spec="all", global_batch_size=8, mesh="stage:4,data:2"),
+         "axes must come in the order"),
     (dict(device_spec="all", global_batch_size=8, mesh="data:8", axis_name="batch"),
      "applies to 1-D worlds only"),
 ])

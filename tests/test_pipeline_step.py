@@ -24,8 +24,9 @@ GLOBAL = 32
 STEPS = 3
 
 
-def _trainer(bn_mode, mesh=None, schedule="gpipe"):
-    kw = dict(global_batch_size=GLOBAL, eval_batch_size=GLOBAL, bn_mode=bn_mode, warmup_epochs=0)
+def _trainer(bn_mode, mesh=None, schedule="gpipe", **extra):
+    kw = dict(global_batch_size=GLOBAL, eval_batch_size=GLOBAL, bn_mode=bn_mode, warmup_epochs=0,
+              **extra)
     if mesh:
         size = np.prod([int(a.split(":")[1]) for a in mesh.split(",")])
         cfg = small_config(devices=str(size), mesh=mesh, pipeline_microbatches=4,
@@ -177,11 +178,11 @@ def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path, capsys):
     bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
     cfg = dict(devices="4", mesh="data:2,stage:2", num_epochs=1, checkpoint_every_steps=4)
     full, s_full = train_and_evaluate(small_config(**cfg), str(tmp_path / "full"))
-    assert s_full["mesh"] == "data:2,stage:2" and s_full["pipeline_microbatches"] == 8
+    assert s_full["mesh"] == "data:2,stage:2" and s_full["pipeline_microbatches"] == 4
     assert s_full["world_size"] == 4 and s_full["local_batch_size"] == 64
     np.testing.assert_allclose(sum(s_full["pipeline_stage_shares"]), 1.0)
     text = capsys.readouterr().out
-    assert "mesh=data:2,stage:2" in text and "pipeline: 2 stages x 8 micro-batches (gpipe; BatchNorm over 16 rows)" in text
+    assert "mesh=data:2,stage:2" in text and "pipeline: 2 stages x 4 micro-batches (gpipe; BatchNorm over 16 rows)" in text
     _, s_cut = train_and_evaluate(small_config(halt_after_steps=6, **cfg), str(tmp_path / "cut"))
     assert s_cut["halted"] and s_cut["steps"] == 6
     resumed, s_res = train_and_evaluate(small_config(**cfg), str(tmp_path / "cut"))
@@ -191,25 +192,56 @@ def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path, capsys):
     assert s_res["val_top1"] == s_full["val_top1"]
 
 
+def test_pipelined_fp16_step_equals_gradient_accumulation():
+    """fp16 with its loss scale on data:2,stage:2 against the data-parallel step with
+    grad_accumulation_steps = 4, from the same state: at the initial 2^15 both overflow and
+    skip (every leaf kept, the scale halved); at 2^8 the step is applied, and each lands
+    within the one-step bound of the other (the scaled loss seeds the pipeline's backward,
+    the gradient is unscaled once in the update); the metric sums and scales agree."""
+    pp = _trainer("running", "data:2,stage:2", precision="fp16")
+    dp = _trainer("running", precision="fp16")
+    batches = digit_like_batches(1, GLOBAL)
+    for scale, finite in ((2.0 ** 15, 0), (2.0 ** 8, 1)):
+        start = dataclasses.replace(to_host(dp.state), loss_scale=np.float32(scale))
+        ref, ref_m = trainer_states(dataclasses.replace(dp, state=put_like(start, dp.state)),
+                                    batches)
+        worst, got_m = assert_each_step_within_reorder_rounding(
+            ref, lambda s, b: pp.train_step(s, trainer_batch(pp, b)), pp.state, batches,
+            GLOBAL // 2 * 64)
+        print(f"fp16 pipeline at scale {scale}: worst leaf / bound {worst:.3g}")
+        assert got_m[0].finite == ref_m[0].finite == finite
+        assert got_m[0].count == ref_m[0].count
+        assert float(got_m[0].loss_scale) == float(ref_m[0].loss_scale)
+        np.testing.assert_allclose(got_m[0].loss_sum, ref_m[0].loss_sum, rtol=1e-5)
+
+
 def test_pipelined_step_collectives_by_axis(trainers):
-    """The trainer's pipelined step (running BN, data:2,stage:2): over 'data'+'stage' the
-    deep bucket, then the first, then the BN statistics, one all-reduce each; over 'stage'
-    one collective-permute each way in the tick loops, M + S - 1 times per step; nothing
-    else."""
+    """The trainer's pipelined step (running BN, data:2,stage:2; stage-owned parameters):
+    over 'stage' one all-to-all that hands each stage its leaves, one collective-permute
+    each way in the tick loops (M + S - 1 times per step), one all-to-all that hands the
+    gradient slices back (with the whole leaves and metric sums tiled S times), and the
+    non-finite flag; over 'data' the deep bucket, then the first, of this device's slices;
+    over 'data'+'stage' the BN statistics; nothing else."""
     from trjax import comm
     tr = trainers("running", "data:2,stage:2", "gpipe")  # the step test's
     cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
-    mesh = tr.world.mesh
-    both = [c for c in cols if comm.axis_of(c, mesh) == ("data", "stage")]
-    stage = [c for c in cols if comm.axis_of(c, mesh) == "stage"]
-    assert len(both) + len(stage) == len(cols), [(c["kind"], comm.axis_of(c, mesh)) for c in cols]
-    plan = tr.plan
-    assert [c["kind"] for c in both] == ["all-reduce"] * 3
-    assert [c["elements"] for c in both] == [plan.bucket_elements["deep"],
-                                             plan.bucket_elements["first"],
-                                             plan.stat_sums_elements]
-    assert [c["kind"] for c in stage] == ["collective-permute"] * 2
-    assert [c["trip_count"] for c in stage] == [4 + 2 - 1] * 2
+    mesh, plan = tr.world.mesh, tr.plan
+    by = {}
+    for c in cols:
+        by.setdefault(comm.axis_of(c, mesh), []).append(c)
+    assert set(by) == {"data", "stage", ("data", "stage")}, by.keys()
+    assert [(c["kind"], c["elements"]) for c in by["data"]] == [
+        ("all-reduce", plan.bucket_elements["deep"]), ("all-reduce", plan.bucket_elements["first"])]
+    assert [(c["kind"], c["elements"]) for c in by[("data", "stage")]] == [
+        ("all-reduce", plan.stat_sums_elements)]
+    kinds = sorted(c["kind"] for c in by["stage"])
+    assert kinds == ["all-reduce", "all-to-all", "all-to-all"] + ["collective-permute"] * 2, kinds
+    assert [c["trip_count"] for c in by["stage"] if c["kind"] == "collective-permute"] == \
+        [4 + 2 - 1] * 2
+    rows = tr.layout.forward_backward.args[-1]  # the StageRows the layout bound
+    a2a = [c["elements"] for c in by["stage"] if c["kind"] == "all-to-all"]
+    whole = sum(int(np.prod(rows.shapes[i])) for i, d in enumerate(rows.dims) if d is None)
+    assert sorted(a2a) == sorted([2 * rows.width, 2 * (rows.width + whole + 4)]), a2a
 
 
 class ResNet(nn.Module):

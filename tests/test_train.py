@@ -1,7 +1,5 @@
 """The dropped remainder, the eval reduction, the comm report, config errors. (The main job
 end to end, test_main_job_short, is in tests/test_stops.py: it checks the run there.)"""
-import os
-import sys
 
 import numpy as np
 import pytest

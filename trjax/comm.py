@@ -505,8 +505,8 @@ def tensor_bytes(batch: int, pairs, num_ranks: int, itemsize: int,
 
 def data_bytes(grad_bytes: int, num_ranks: int) -> float:
     """Bytes each data rank sends for the gradient all-reduce: ``2 (N-1)/N * |g|``
-    (:func:`ring_traffic_bytes`); N = D for per-stage or tensor-parallel
-    buckets, D*S for v1 pipeline buckets over ``("data", "stage")``."""
+    (:func:`ring_traffic_bytes`); N = D for the stage-owned, FSDP and
+    tensor-parallel buckets (each device's slices, over ``data`` only)."""
     return ring_traffic_bytes(grad_bytes, num_ranks)
 
 

@@ -21,8 +21,8 @@ def comm_report(tr) -> dict:
       ``traffic_per_rank_bytes`` (ring model).
     """
     config, plan = tr.config, tr.plan
-    # the gradient all-reduce spans the layout's grad axes (data, and stage while the
-    # parameters are replicated over it: trjax.parallel.pipeline, design v1)
+    # the gradient all-reduce spans the layout's grad axes (the data axis; the
+    # model-parallel layouts reduce their own slices over it)
     n = tr.layout.grad_replicas
     names = {"deep": "bucket:deep (deep convs + metrics)",
              "first": "bucket:first (first conv + BN + FC)"}

@@ -156,8 +156,8 @@ def apply_gradients(state: TrainState, grads, sums, bn_sums, rules, plan: Memory
       grads, sums, bn_sums, rules: from ``layout.forward_backward``: this
         device's gradient SUMS (loss-scaled), metric sums ``[4]``, BN batch sums.
       plan, exchange: pack the gradients and metric sums into the buckets and
-        exchange them over ``layout.grad_axes`` (``("data", "stage")`` for a
-        pipeline whose devices each hold part of the gradient).
+        exchange them over ``layout.grad_axes`` (the data axis: a model-parallel
+        layout's gradients are each device's own slices).
       layout: the :class:`trjax.parallel.Layout`: the grad axes, the axes the BN
         sums are still reduced over (``bn_reduce_axes``) and the statistics'
         rows (``stats_rows``).

@@ -331,6 +331,7 @@ def make_world(device_spec: str | int = "all", global_batch_size: int = 1,
             local = check_batch_split(global_batch_size, batch)
         except ValueError as e:
             over = " x ".join(n for n, _ in axes if n in BATCH_AXES)
+            over = "the data axis only" if over == DATA_AXIS else over
             raise ValueError(f"mesh {mesh!r}: the global batch splits over {over} "
                              f"(size {batch}): {e}") from None
         world_mesh = Mesh(np.array(chosen, dtype=object).reshape(sizes), tuple(n for n, _ in axes))

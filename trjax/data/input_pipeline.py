@@ -38,7 +38,6 @@ import os
 from typing import Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from trjax.data import augment, worker_errors

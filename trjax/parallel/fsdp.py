@@ -62,10 +62,10 @@ def shard_dims(params, size: int):
     return jax.tree_util.tree_map(dim, params)
 
 
-def param_specs(dims):
-    """``PartitionSpec`` per leaf of ``dims`` (:func:`shard_dims`): ``fsdp`` on its
+def param_specs(dims, axis: str = FSDP_AXIS):
+    """``PartitionSpec`` per leaf of ``dims`` (:func:`shard_dims`): ``axis`` on its
     dimension, ``P()`` for a whole leaf."""
-    return jax.tree_util.tree_map(lambda d: P() if d is None else P(*([None] * d + [FSDP_AXIS])),
+    return jax.tree_util.tree_map(lambda d: P() if d is None else P(*([None] * d + [axis])),
                                   dims, is_leaf=lambda x: x is None)
 
 
@@ -103,9 +103,9 @@ def _from_rows(rows, d, local_shape):
     return x.reshape(shape)
 
 
-def gather(params, dims, groups, size: int):
+def gather(params, dims, groups, size: int, axis_name: str = FSDP_AXIS):
     """The whole parameters from this device's shards, inside ``shard_map``:
-    one ``all_gather`` over ``fsdp`` per bucket (the last bucket of ``groups``,
+    one ``all_gather`` over ``axis_name`` (``fsdp``) per bucket (the last bucket of ``groups``,
     which holds the first conv the forward needs first, first); a leaf that
     stays whole is used as it is. ``params``: this device's tree; returns the
     tree of whole leaves (the same dtypes)."""
@@ -117,7 +117,7 @@ def gather(params, dims, groups, size: int):
         if not split:
             continue
         rows = lax.all_gather(jnp.concatenate([leaves[i].reshape(-1) for i in split]),
-                              FSDP_AXIS, axis=0, tiled=False)  # [size, sum of local sizes]
+                              axis_name, axis=0, tiled=False)  # [size, sum of local sizes]
         off = 0
         for i in split:
             n = leaves[i].size

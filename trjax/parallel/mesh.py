@@ -45,7 +45,7 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
                                pipeline_microbatches(config, world),
                                _stage_plan(config, world, model, image_shape),
                                remat=config.pipeline_remat, schedule=config.pipeline_schedule)
-    split = [a for a in (fsdp.FSDP_AXIS, "model") if a in sizes]
+    split = [a for a in (fsdp.FSDP_AXIS, "stage", "model") if a in sizes]
     if split and tx is not None:
         raise ValueError(f"tx= (your own optimizer) on config.mesh={config.mesh!r}: with a "
                          f"'{split[0]}' axis it would see each device's slice of a split leaf, "
@@ -116,9 +116,10 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
                    "1 (the pipeline's micro-batches are its accumulation: "
                    "config.pipeline_microbatches)"),
                   ("mixup_alpha", not c.mixup_alpha, "0"), ("cutmix_alpha", not c.cutmix_alpha, "0")]
-    if model:
-        wants += [("optimizer", c.optimizer in ("sgd", "adamw"), "'sgd' or 'adamw'"),
-                  ("grad_clip_norm", not c.grad_clip_norm, "0")]
+    # a 'stage' axis splits every leaf over its devices (stage-owned parameters), a
+    # 'model' axis splits layers: a norm over a layer or all leaves would be per slice
+    wants += [("optimizer", c.optimizer in ("sgd", "adamw"), "'sgd' or 'adamw'"),
+              ("grad_clip_norm", not c.grad_clip_norm, "0")]
     for key, ok, fix in wants:
         if not ok:
             raise ValueError(f"config.{key}={c[key]!r} is not supported with {kind} "

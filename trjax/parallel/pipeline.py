@@ -3,9 +3,9 @@
 :func:`layout` is the :class:`~trjax.parallel.layout.Layout` of a mesh with a
 ``stage`` axis (``config.mesh="data:2,stage:4"``): its ``forward_backward`` is
 :func:`pipeline_forward_backward` with the schedule bound, which
-:func:`trjax.steps.make_train_step` calls like any other (design v1: the
-parameters are replicated over ``stage``; each device computes with its stage's
-leaves only). Sources: GPipe (Huang et al., "GPipe: Efficient Training of Giant
+:func:`trjax.steps.make_train_step` calls like any other (design v2: the
+parameters are split over ``stage`` and each stage's leaves gathered whole onto its
+own devices for the step, :mod:`trjax.parallel.stage_owned`). Sources: GPipe (Huang et al., "GPipe: Efficient Training of Giant
 Neural Networks using Pipeline Parallelism", NeurIPS 2019: fill/drain schedule,
 the backward from the forward loop); the jax ``shard_map`` notebook,
 §"SPMD pipeline parallelism" (a loop of ``M + S - 1`` ticks and a ``ppermute``
@@ -65,7 +65,9 @@ from trjax.batchnorm import BatchNormContext, linen_interceptor
 from trjax.collectives import as_varying
 from trjax.metrics import batch_metrics
 from trjax.objective import StepOptions, example_losses
+from trjax.parallel import fsdp
 from trjax.parallel.layout import Layout, check_bn_mode
+from trjax.parallel.stage_owned import StageRows
 
 
 # -- the stages: contiguous runs of residual blocks ---------------------------------------
@@ -213,14 +215,13 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
                               stage_axis: str = "stage", num_stages: int | None = None,
                               loss_fn=None, label_smoothing: float = 0.0,
                               remat: bool = False, bubble_fill: float = 0.0,
-                              schedule: str = "gpipe"):
+                              schedule: str = "gpipe", select=None):
     """Per device, GPipe: gradients of the summed loss, metric sums, BN batch sums.
 
     Call inside ``jax.shard_map`` over a mesh with axes ``(data_axis,
     stage_axis)`` (:func:`trjax.world.make_world` with ``mesh="data:D,stage:S"``),
-    the batch split over ``data`` and replicated over ``stage``, the parameters
-    replicated (v1 of the design: each device computes only with its stage's
-    leaves). The parameters are cast to varying over both axes here (if they are
+    the batch split over ``data`` and replicated over ``stage``; ``params`` the
+    whole tree on every device, or (``select``) the stage's own leaves packed. The parameters are cast to varying over both axes here (if they are
     not already), so every result is this device's own part; summing over
     ``stage_axis`` (e.g. the gradient exchange run over ``(data, stage)``) gives
     what :func:`trjax.objective.forward_backward` with ``grad_accumulation_steps =
@@ -254,6 +255,11 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         the tick loop) or ``"1f1b"`` (:func:`_one_f_one_b`: an explicit backward
         per micro-batch, at most 2S - 1 stage inputs stashed per device instead
         of every tick's; ``remat`` does not apply, its backward always recomputes).
+      select: ``(k, params) -> stage k's subtree {name: ...}``; ``None``: ``params``
+        is the whole tree (design v1) and stage k takes its names' subtrees. The
+        stage-owned layout passes its packed rows
+        (:meth:`trjax.parallel.stage_owned.StageRows.select`): the gradient is then
+        of the same packed structure, this stage's leaves only.
 
     Returns:
       ``(grads, sums [4] float32, bn_sums, rules)`` as
@@ -279,8 +285,10 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         raise ValueError(f"the stage plan has {plan.num_stages} stages, the mesh axis "
                          f"{stage_axis!r} {S}")
     rules: dict = {}
+    if select is None:
+        select = lambda k, p: _subtree(p, plan.names(k))  # noqa: E731
     run_stage = _stage_runner(stage_modules(net.module, plan), plan, batch_stats, bn_mode,
-                              data_axis, remat, rules)
+                              data_axis, remat, rules, select)
     lp = _loop(net, batch, params, run_stage, S, M, bn_mode, (data_axis, stage_axis),
                bubble_fill)
     branches = [_forward_branch(k, run_stage, lp, loss_fn, label_smoothing) for k in range(S)]
@@ -314,10 +322,10 @@ def _check_schedule(module, bn_mode: str, rows: int, M: int, S: int, schedule: s
 
 
 def _stage_runner(mods, plan: StagePlan, batch_stats, bn_mode: str, data_axis: str,
-                  remat: bool, rules: dict):
+                  remat: bool, rules: dict, select):
     """``run_stage(k, params, x_in, mask) -> (y, bn_sums)``: stage ``k``'s module on
-    its own subtrees (``jax.checkpoint``-ed with ``remat``); every BatchNorm's
-    running rule lands in ``rules``."""
+    its own subtrees (``select(k, params)``; ``jax.checkpoint``-ed with ``remat``);
+    every BatchNorm's running rule lands in ``rules``."""
     def run_stage(k, p, x_in, mask):
         names = plan.names(k)
         ctx = BatchNormContext(bn_mode, data_axis, mask)
@@ -325,7 +333,7 @@ def _stage_runner(mods, plan: StagePlan, batch_stats, bn_mode: str, data_axis: s
         def call(p, x_in, mask):
             with nn.intercept_methods(linen_interceptor(ctx)):
                 y, new = mods[k].apply(
-                    {"params": _subtree(p, names), "batch_stats": _subtree(batch_stats, names)},
+                    {"params": select(k, p), "batch_stats": _subtree(batch_stats, names)},
                     x_in, train=True, mutable=["batch_stats", "bn_sums"])
             return y, new.get("bn_sums", {})
 
@@ -617,9 +625,14 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
 
 def _forward_backward(network, stages: StagePlan, num_microbatches: int, bn_mode: str,
                       data_axis: str, num_stages: int, remat: bool, schedule: str,
-                      params, batch_stats, batch, options: StepOptions, loss_scale, rng):
-    """The layout's ``forward_backward``: :func:`pipeline_forward_backward` with
-    the schedule bound (``rng`` unused: trjax's ResNets draw no randomness).
+                      rows: StageRows, params, batch_stats, batch, options: StepOptions,
+                      loss_scale, rng):
+    """The layout's ``forward_backward``: this device's stage's leaves gathered
+    whole (:meth:`StageRows.gather`), :func:`pipeline_forward_backward` with the
+    schedule bound on them, and the gradient handed back to the devices that hold
+    each slice (:meth:`StageRows.scatter`; ``rng`` unused: trjax's ResNets draw no
+    randomness). Returns this device's slices' gradients and the metric sums
+    summed over ``stage``.
 
     Raises:
       ValueError (while tracing): ``options`` asking for gradient accumulation
@@ -631,10 +644,12 @@ def _forward_backward(network, stages: StagePlan, num_microbatches: int, bn_mode
         raise ValueError(f"a pipeline's step takes no grad_accumulation_steps (its "
                          f"{num_microbatches} micro-batches are its accumulation) and no "
                          f"mixup/cutmix; got {options}")
-    return pipeline_forward_backward(
-        network, params, batch_stats, batch, num_microbatches, stages, loss_scale, bn_mode,
-        data_axis, "stage", num_stages, options.loss_fn, options.label_smoothing, remat,
-        schedule=schedule)
+    grads, sums, bn_sums, rules = pipeline_forward_backward(
+        network, rows.gather(params), batch_stats, batch, num_microbatches, stages, loss_scale,
+        bn_mode, data_axis, "stage", num_stages, options.loss_fn, options.label_smoothing, remat,
+        schedule=schedule, select=lambda k, p: rows.select(k, p, stages.names(k)))
+    grads, sums = rows.scatter(grads, sums)
+    return grads, sums, bn_sums, rules
 
 
 def boundary_traffic(module, image_shape, stages: StagePlan, num_microbatches: int,
@@ -662,17 +677,20 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
            schedule: str = "gpipe") -> Layout:
     """The pipeline :class:`Layout` on a ``("data", "stage")`` world.
 
-    The parameters are replicated over ``stage`` (design v1): a device's
-    gradient is nonzero on its stage's leaves only, so the two-bucket exchange
-    runs unchanged over ``("data", "stage")`` (deep bucket first, the metrics
-    inside it: the last stage's sums) and every device ends the step with the
-    same parameters. The BN sums: ``running`` mode all-reduces them over
+    Stage-owned parameters (design v2, :mod:`trjax.parallel.stage_owned`): every
+    leaf, its optimizer state and EMA are split over ``stage`` (1/S per device);
+    one all-to-all gathers each stage's leaves whole onto its devices, the
+    backward accumulates those only, and one all-to-all hands each gradient slice
+    back (the metric sums, made on the last stage, riding in it); the two-bucket
+    exchange then runs over ``data`` only on each device's slices (deep bucket
+    first, the metrics inside it), and a non-finite flag is summed over ``stage``
+    so every device applies or skips the same update. The BN sums: ``running`` mode all-reduces them over
     ``("data", "stage")`` (the seed's one STATS_COMM); ``sync`` mode already
     summed each micro-batch's over ``data`` in the forward, and all-reduces
     them over ``stage`` only. Each summed BN layer is owned by one stage, so
     every device commits the same running statistics. The exchange must reduce
-    with ``lax.psum`` (``allreduce="xla"``, no compression, no ZeRO-1:
-    :func:`trjax.parallel.check_config`).
+    with ``lax.psum`` (``allreduce="xla"``, no compression, no ZeRO-1) and the
+    optimizer must be elementwise (sgd, adamw: :func:`trjax.parallel.check_config`).
 
     Args:
       model: a trjax ResNet (bare or in a :class:`trjax.models.Network`).
@@ -707,8 +725,14 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
                       f"normalises {rows} rows ({bn_mode} mode), fewer than {MIN_BN_ROWS}, so its "
                       "statistics are noisy and accuracy suffers; use fewer micro-batches "
                       "(config.pipeline_microbatches=0 picks the most that keep "
-                      f"{MIN_BN_ROWS}), a larger global batch or bn_mode='sync'", stacklevel=2)
-    fb = functools.partial(_forward_backward, net, stages, M, bn_mode, data, S, remat, schedule)
+                      f"{MIN_BN_ROWS}) or a larger global batch"
+                      + (", or bn_mode='sync'" if bn_mode == "running" else ""), stacklevel=2)
+    params = net.abstract_variables(image_shape)["params"]
+    dims = fsdp.shard_dims(params, S)
+    packing = StageRows.build(params, dims, [stages.names(k) for k in range(S)])
+    fb = functools.partial(_forward_backward, net, stages, M, bn_mode, data, S, remat, schedule,
+                           packing)
+    everything = [("all", list(range(len(packing.shapes))))]  # the evaluation's one all-gather
     line = (f"pipeline: {S} stages x {M} micro-batches ({schedule}; BatchNorm over {rows} "
             f"rows), stage MAC shares "
             + "/".join(f"{100 * x:.1f}%" for x in stages.shares)
@@ -717,10 +741,18 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
     traffic = functools.partial(boundary_traffic, net.module, tuple(image_shape), stages, M,
                                 world.local_batch_size)
     return Layout(world=world, model=net, network=net, image_shape=tuple(image_shape),
-                  bn_mode=bn_mode, forward_backward=fb, grad_axes=(data, "stage"),
+                  bn_mode=bn_mode, forward_backward=fb,
+                  grad_axes="data" if sizes["data"] > 1 else (),
                   bn_reduce_axes=(data, "stage") if bn_mode == "running" else "stage",
-                  kind="pipeline", line=line, point_to_point=traffic,
+                  params=fsdp.param_specs(dims, "stage"), check_vma=False,
+                  local_shapes=lambda p, s: (fsdp.local_shapes(p, dims, S), s),
+                  gather=functools.partial(fsdp.gather, dims=dims, groups=everything, size=S,
+                                           axis_name="stage"),
+                  finite_axes="stage", kind="pipeline", line=line, point_to_point=traffic,
                   collective_labels={"stage": {
-                      "collective-permute": "pipeline:boundary activation / cotangent"}},
+                      "collective-permute": "pipeline:boundary activation / cotangent",
+                      "all-to-all": "pipeline:stage-owned parameters / gradients",
+                      "all-gather": "pipeline:parameters for the evaluation",
+                      "all-reduce": "pipeline:BN statistics or the non-finite flag"}},
                   details={"pipeline_microbatches": M,
                            "pipeline_stage_shares": list(stages.shares)})
