@@ -172,7 +172,7 @@ def test_your_own_optimizer_is_refused_on_a_model_axis(monkeypatch):
 def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path, capsys):
     """data:2,stage:2: halted at step 6 (checkpoints 4 and 6), resumed to the end of the
     epoch: the parameters, BN statistics, optimizer state and val top-1 are bitwise those
-    of the run never stopped. The start-up lines and summary.json name the mesh and the
+    of the run never stopped; its last checkpoint restores onto data:4 bitwise. The start-up lines and summary.json name the mesh and the
     pipeline."""
     from trjax.train import train_and_evaluate
     bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
@@ -190,6 +190,11 @@ def test_pipelined_resume_mid_epoch_is_bitwise_exact(tmp_path, capsys):
     for name in ("params", "batch_stats", "opt_state"):
         assert bits(getattr(resumed, name)) == bits(getattr(full, name)), name
     assert s_res["val_top1"] == s_full["val_top1"]
+    # the stage-owned state (every leaf split over 'stage') restores onto data:4, bitwise
+    moved, s_moved = train_and_evaluate(small_config(**dict(cfg, mesh="")), str(tmp_path / "full"))
+    assert s_moved["steps"] == 12 and s_moved["mesh"] == "data:4"
+    for name in ("params", "batch_stats", "opt_state"):
+        assert bits(getattr(moved, name)) == bits(getattr(full, name)), name
 
 
 def test_pipelined_fp16_step_equals_gradient_accumulation():
@@ -213,6 +218,24 @@ def test_pipelined_fp16_step_equals_gradient_accumulation():
         assert got_m[0].count == ref_m[0].count
         assert float(got_m[0].loss_scale) == float(ref_m[0].loss_scale)
         np.testing.assert_allclose(got_m[0].loss_sum, ref_m[0].loss_sum, rtol=1e-5)
+
+
+def test_pipelined_adamw_step_equals_gradient_accumulation():
+    """adamw (its mu and nu split over 'stage' like the parameters; adam_eps=1 as in
+    tests/test_tensor_step.py, so that the update's rounding is the gradient's) with sync BN
+    on data:2,stage:2: one step equals the accumulation oracle within the one-step bound."""
+    kw = dict(optimizer="adamw", learning_rate=0.003, adam_eps=1.0)
+    pp, dp = _trainer("sync", "data:2,stage:2", **kw), _trainer("sync", **kw)
+    start = to_host(dp.state)
+    batches = digit_like_batches(1, GLOBAL)
+    ref, ref_m = trainer_states(dataclasses.replace(dp, state=put_like(start, dp.state)), batches)
+    worst, got_m = assert_each_step_within_reorder_rounding(
+        ref, lambda s, b: pp.train_step(s, trainer_batch(pp, b)), pp.state, batches,
+        GLOBAL // 2 * 64)
+    print(f"adamw pipeline: worst leaf / bound {worst:.3g}")
+    specs = [x.sharding.spec for x in jax.tree_util.tree_leaves(pp.state.opt_state) if x.ndim]
+    assert specs and all("stage" in sp for sp in specs if sp != ()), specs
+    assert got_m[0].count == ref_m[0].count and got_m[0].finite == 1
 
 
 def test_pipelined_step_collectives_by_axis(trainers):
