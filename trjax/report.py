@@ -61,7 +61,7 @@ def comm_report(tr) -> dict:
         for c in cols:
             axis = comm.axis_of(c, mesh)
             c["axis"] = "+".join(axis) if isinstance(axis, tuple) else axis
-            if c["carries"] == ["other"] and axis in tr.layout.collective_labels:
+            if set(c["carries"]) == {"other"} and axis in tr.layout.collective_labels:
                 c["carries"] = [tr.layout.collective_labels[axis].get(c["kind"], "other")]
         out[step.name] = {"collectives": cols, "count": len(cols),
                           "by_axis": {("+".join(a) if isinstance(a, tuple) else str(a)):
