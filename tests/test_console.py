@@ -60,6 +60,27 @@ NETS = '''
         return NnxNet(num_classes, rngs=nnx.Rngs(0))
 
     NOT_CALLABLE = 3
+
+    class HFStyle(nn.Module):  # the class count under another name
+        n_classes: int
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(self.n_classes)(x.reshape((x.shape[0], -1)).astype(jnp.float32))
+
+    class FixedHead(nn.Module):  # no class count: a published 10-way head
+        width: int = 4
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(10)(nn.Dense(self.width)(x.reshape((x.shape[0], -1)).astype(jnp.float32)))
+
+    class KerasStyle(nnx.Module):
+        def __init__(self, classes, *, rngs):
+            self.head = nnx.Linear(64, classes, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(x.reshape((x.shape[0], -1)).astype(jnp.float32))
 '''
 
 
@@ -191,6 +212,25 @@ def test_resolve_model_builds_a_model_by_name_or_by_path(nets):
         config_lib.resolve_model(_config(f"{nets}:Tiny", depth=3), 10, **TRAINER_ARGS)
     with pytest.raises(ValueError, match="returned a str, not a flax Module"):
         config_lib.resolve_model(_config(f"{nets}:not_a_module"), 10, **TRAINER_ARGS)
+
+
+def test_a_constructor_without_num_classes_is_built_as_published(nets):
+    """Issue 40: a published model's class count under another name (n_classes, Keras's
+    classes) gets the data set's; one without any is built without it and its head checked
+    (10 logits for digits: trains; 3 classes: the wrap's logits check names the mismatch);
+    model_kwargs may give the count under its own name."""
+    hf = config_lib.resolve_model(_config(f"{nets}:HFStyle"), 7, **TRAINER_ARGS)
+    assert hf.n_classes == 7
+    assert config_lib.resolve_model(_config(f"{nets}:HFStyle", n_classes=7), 7).n_classes == 7
+    fixed = config_lib.resolve_model(_config(f"{nets}:FixedHead", width=3), 10, **TRAINER_ARGS)
+    assert fixed.width == 3
+    keras = config_lib.resolve_model(_config(f"{nets}:KerasStyle"), 5, **TRAINER_ARGS)
+    shapes = jax.eval_shape(lambda: keras.init(jax.random.key(0), jnp.zeros((2, 8, 8, 1))))
+    assert shapes["params"]["head"]["kernel"].shape == (64, 5)
+    net = models.wrap(fixed, image_shape=(8, 8, 1), num_classes=10)  # fits digits
+    assert net.module is fixed
+    with pytest.raises(ValueError, match="10"):
+        models.wrap(fixed, image_shape=(8, 8, 1), num_classes=3)
 
 
 def test_a_model_module_in_the_current_directory_is_found(tmp_path, monkeypatch):

@@ -179,8 +179,9 @@ def test_your_own_optimizer_on_fsdp_is_refused():
 @pytest.mark.job
 def test_fsdp_resume_and_checkpoints_move_between_meshes(tmp_path):
     """data:2,fsdp:4 halted at step 6 and resumed to the end of the epoch is bitwise the run
-    that never stopped; its checkpoint restores onto data:8 with every leaf bitwise, and a
-    data:8 checkpoint onto fsdp:8 (the state's leaves are whole arrays on every mesh)."""
+    that never stopped; its checkpoint restores onto data:8 and onto fsdp:8 with every leaf
+    bitwise (the state's leaves are whole arrays on every mesh; tests/test_tensor_step.py
+    moves a data:4 checkpoint onto the model-parallel meshes the same way)."""
     from trjax.train import train_and_evaluate
     bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
     cfg = dict(devices="8", mesh="data:2,fsdp:4", num_epochs=1, checkpoint_every_steps=6)

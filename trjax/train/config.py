@@ -353,13 +353,34 @@ def check_model(model: str, model_kwargs=None) -> None:
                          "(set config.bn_mode, config.precision, config.mesh, ... instead)")
 
 
+CLASS_COUNT_NAMES = ("num_classes", "n_classes", "num_labels", "num_outputs", "classes")
+"""The names a published model's constructor takes its class count under, in the
+order :func:`resolve_model` looks for them (``num_classes``: flax's examples,
+torchvision; ``n_classes``, ``num_labels``: HF; ``num_outputs``; ``classes``: Keras)."""
+
+
+def _class_count(named: set, params, num_classes: int, kwargs) -> dict:
+    """``{name: num_classes}`` for the first of :data:`CLASS_COUNT_NAMES` the
+    constructor takes (``num_classes`` when it takes ``**kwargs``); ``{}`` when it
+    takes none (its head is fixed: :func:`trjax.models.wrap` checks the logits'
+    width) or ``model_kwargs`` sets it itself."""
+    if any(n in kwargs for n in CLASS_COUNT_NAMES):
+        return {}
+    for n in CLASS_COUNT_NAMES:
+        if n in named:
+            return {n: num_classes}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values()) or not params
+    return {"num_classes": num_classes} if takes_any else {}
+
+
 def resolve_model(config: ml_collections.ConfigDict, num_classes: int, **trainer_args):
     """Builds ``config.model``: a built-in name or an import path.
 
     A built-in name is :func:`trjax.models.create_model` with ``num_classes``,
     ``trainer_args`` and ``config.model_kwargs``. An import path's object
-    (:func:`import_model`) is called with ``num_classes``, those of
-    ``trainer_args`` (e.g. ``bn_mode``, ``axis_name``, ``dtype``:
+    (:func:`import_model`) is called with the class count under the first name of
+    :data:`CLASS_COUNT_NAMES` it takes (none when it takes none, or when
+    ``model_kwargs`` names one), those of ``trainer_args`` (e.g. ``bn_mode``, ``axis_name``, ``dtype``:
     :data:`MODEL_ARGS`) that it takes as named parameters, and
     ``config.model_kwargs``. An ``nnx.Module`` class becomes
     ``flax.nnx.bridge.to_linen(cls, ...)`` (built with ``rngs`` per key).
@@ -390,13 +411,13 @@ def resolve_model(config: ml_collections.ConfigDict, num_classes: int, **trainer
     target = import_model(config.model)
     nnx = sys.modules.get("flax.nnx")
     is_nnx = nnx is not None and isinstance(target, type) and issubclass(target, nnx.Module)
-    try:
-        params = inspect.signature(target).parameters
+    try:  # an nnx class's metaclass hides __init__'s parameters behind (*args, **kwargs)
+        params = inspect.signature(target.__init__ if is_nnx else target).parameters
     except (TypeError, ValueError):  # a builtin without a signature: offer nothing more
         params = {}
     named = {n for n, p in params.items()
              if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
-    args = {"num_classes": num_classes,
+    args = {**_class_count(named, params, num_classes, kwargs),
             **{k: v for k, v in trainer_args.items() if k in named}, **kwargs}
     shown = f"{config.model}({', '.join(f'{k}=...' for k in args)})"
     try:
