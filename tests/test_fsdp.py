@@ -141,10 +141,10 @@ def test_rows_round_trip_and_shard_dims():
     dimension is the last that divides (a dense kernel [64, 10] on 4 devices: its inputs)."""
     x = jnp.arange(2 * 8 * 3 * 4, dtype=jnp.float32).reshape(2, 8, 3, 4)
     for d in (1, 3):
-        rows = fsdp._to_rows(x, d, 4)
+        rows = fsdp.to_rows(x, d, 4)
         local = list(x.shape)
         local[d] //= 4
-        np.testing.assert_array_equal(fsdp._from_rows(rows, d, local), x)
+        np.testing.assert_array_equal(fsdp.from_rows(rows, d, local), x)
         np.testing.assert_array_equal(rows[1], np.take(x, range(x.shape[d] // 4,
                                                                  2 * x.shape[d] // 4),
                                                        axis=d).reshape(-1))

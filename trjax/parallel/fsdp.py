@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from trjax import collectives, models
+from trjax import collectives, models, tensor
 from trjax.metrics import METRICS
 from trjax.parallel.layout import Layout, check_bn_mode, data_forward_backward
 from trjax.plan import build_plan
@@ -69,16 +69,6 @@ def param_specs(dims, axis: str = FSDP_AXIS):
                                   dims, is_leaf=lambda x: x is None)
 
 
-def local_shapes(params, dims, size: int):
-    """One device's shapes: each split dimension divided by ``size``."""
-    def local(x, d):
-        shape = list(x.shape)
-        if d is not None:
-            shape[d] //= size
-        return jax.ShapeDtypeStruct(tuple(shape), x.dtype)
-    return jax.tree_util.tree_map(local, params, dims, is_leaf=lambda x: x is None)
-
-
 def bucket_groups(plan) -> list[tuple[str, list[int]]]:
     """``[(bucket, [leaf index, ...]), ...]`` in the plan's bucket order (the
     order of its collectives), each bucket's leaves in their order in it; the
@@ -89,14 +79,14 @@ def bucket_groups(plan) -> list[tuple[str, list[int]]]:
     return [(b, m) for b, m in members.items() if m]
 
 
-def _to_rows(g, d, size):
+def to_rows(g, d, size):
     """``[size, n/size]``: row k is device k's slice of ``g`` along ``d`` (flat)."""
     shape = g.shape[:d] + (size, g.shape[d] // size) + g.shape[d + 1:]
     return jnp.moveaxis(g.reshape(shape), d, 0).reshape(size, -1)
 
 
-def _from_rows(rows, d, local_shape):
-    """Inverse of :func:`_to_rows`: ``[size, n/size]`` -> the whole leaf."""
+def from_rows(rows, d, local_shape):
+    """Inverse of :func:`to_rows`: ``[size, n/size]`` -> the whole leaf."""
     size = rows.shape[0]
     x = jnp.moveaxis(rows.reshape((size,) + tuple(local_shape)), 0, d)
     shape = tuple(local_shape[:d]) + (size * local_shape[d],) + tuple(local_shape[d + 1:])
@@ -121,7 +111,7 @@ def gather(params, dims, groups, size: int, axis_name: str = FSDP_AXIS):
         off = 0
         for i in split:
             n = leaves[i].size
-            out[i] = _from_rows(rows[:, off:off + n], flat_dims[i], leaves[i].shape)
+            out[i] = from_rows(rows[:, off:off + n], flat_dims[i], leaves[i].shape)
             off += n
     return jax.tree_util.tree_unflatten(treedef, out)
 
@@ -141,7 +131,7 @@ def reduce_scatter(grads, sums, dims, groups, metrics_bucket: str, size: int):
     flat_dims = treedef.flatten_up_to(dims)
     out, previous = list(leaves), None
     for bucket, idx in groups:
-        parts = [_to_rows(leaves[i], flat_dims[i], size) if flat_dims[i] is not None
+        parts = [to_rows(leaves[i], flat_dims[i], size) if flat_dims[i] is not None
                  else jnp.broadcast_to(leaves[i].reshape(1, -1), (size, leaves[i].size))
                  for i in idx]
         if bucket == metrics_bucket:
@@ -219,10 +209,11 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
         raise ValueError(f"fsdp:{size}: no parameter of {type(net.module).__name__} has a "
                          f"dimension divisible by {size}, so nothing would be sharded; use a "
                          "smaller fsdp size or the data axis only")
-    plan = build_plan(net, image_shape, buckets, local=lambda p, s: (local_shapes(p, dims, size), s))
-    groups, metrics_bucket = bucket_groups(plan), plan.metrics_slot[0]
     specs = param_specs(dims)
-    local = bn_mode == "local"
+    local = lambda p, s: (tensor.local_shapes(p, specs, dict(world.axes)), s)  # noqa: E731
+    plan = build_plan(net, image_shape, buckets, local=local)
+    groups, metrics_bucket = bucket_groups(plan), plan.metrics_slot[0]
+    per_replica = bn_mode == "local"
     t = traffic(dims, params, size)
     whole = [jax.tree_util.keystr(p) for (p, _), d in
              zip(jax.tree_util.tree_flatten_with_path(params)[0], flat_dims) if d is None]
@@ -231,9 +222,9 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
         forward_backward=functools.partial(fsdp_forward_backward, net, bn_mode, axes, dims,
                                            groups, metrics_bucket, size),
         grad_axes="data" if dict(world.axes)["data"] > 1 else (), bn_reduce_axes=axes if bn_mode == "running" else None,
-        per_replica_stats=local, params=specs, batch_stats=P(axes) if local else P(),
-        folded=P(axes) if local else P(), check_vma=False,
-        local_shapes=lambda p, s: (local_shapes(p, dims, size), s), kind="fsdp",
+        per_replica_stats=per_replica, params=specs, batch_stats=P(axes) if per_replica else P(),
+        folded=P(axes) if per_replica else P(), check_vma=False, local_shapes=local,
+        kind="fsdp",
         gather=functools.partial(gather, dims=dims, groups=groups, size=size),
         finite_axes=FSDP_AXIS,
         details={"fsdp_size": size, "fsdp_whole_leaves": whole, "fsdp_traffic_bytes": t},

@@ -93,57 +93,43 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
     """
     c, sizes = config, mesh_sizes(config)
     stage, model = "stage" in sizes, "model" in sizes  # size 1 too: a GPU's 1 x 1 check
+    sharded = fsdp.FSDP_AXIS in sizes
     _check_pipeline_keys(c, stage)
-    if fsdp.FSDP_AXIS in sizes:
-        _check_fsdp(c, stage, model)
-    if not (stage or model):
+    if not (stage or model or sharded):
         return
     if stage and model:
         raise ValueError(f"config.mesh={c.mesh!r}: pipeline and tensor parallelism together "
                          "(a 3-D mesh) are not supported yet; use 'data:D,stage:S' or "
                          "'data:D,model:T'")
-    kind = "a 'stage' axis (pipeline)" if stage else "a 'model' axis (tensor parallel)"
-    if own_model:
+    if sharded and (stage or model):
+        raise ValueError(f"config.mesh={c.mesh!r}: an 'fsdp' axis with a 'stage' or 'model' axis "
+                         "is not supported yet; use 'data:D,fsdp:F' (or 'fsdp:F')")
+    kind = ("an 'fsdp' axis" if sharded else
+            "a 'stage' axis (pipeline)" if stage else "a 'model' axis (tensor parallel)")
+    if own_model and not sharded:
         raise ValueError(f"config.mesh={c.mesh!r}: {kind} splits trjax's own ResNets; "
                          f"config.model={c.model!r} is your own model: use a built-in model "
                          f"({sorted(builtin_models)}) or a mesh with the data axis only")
-    wants = [("bn_mode", c.bn_mode in ("running", "sync"), "'running' or 'sync'"),
-             ("allreduce", c.allreduce == "xla", "'xla'"),
+    # every axis past data splits leaves over its devices (fsdp and stage: every leaf; model:
+    # layers), so the exchange is XLA's psum and a norm over a layer or all leaves (LARS,
+    # clipping) would be per shard
+    wants = [("allreduce", c.allreduce == "xla", "'xla'"),
              ("compression", c.compression == "none", "'none'"),
-             ("shard_optimizer_state", not c.shard_optimizer_state, "False")]
+             ("shard_optimizer_state", not c.shard_optimizer_state,
+              "False (this mesh already shards the optimizer state over its axes)"),
+             ("optimizer", c.optimizer in ("sgd", "adamw"),
+              "'sgd' or 'adamw' (LARS's per-layer norm would be per shard)"),
+             ("grad_clip_norm", not c.grad_clip_norm, "0 (the global norm would be per shard)")]
+    if not sharded:
+        wants.insert(0, ("bn_mode", c.bn_mode in ("running", "sync"), "'running' or 'sync'"))
     if stage:
         wants += [("grad_accumulation_steps", c.grad_accumulation_steps == 1,
                    "1 (the pipeline's micro-batches are its accumulation: "
                    "config.pipeline_microbatches)"),
                   ("mixup_alpha", not c.mixup_alpha, "0"), ("cutmix_alpha", not c.cutmix_alpha, "0")]
-    # a 'stage' axis splits every leaf over its devices (stage-owned parameters), a
-    # 'model' axis splits layers: a norm over a layer or all leaves would be per slice
-    wants += [("optimizer", c.optimizer in ("sgd", "adamw"), "'sgd' or 'adamw'"),
-              ("grad_clip_norm", not c.grad_clip_norm, "0")]
     for key, ok, fix in wants:
         if not ok:
             raise ValueError(f"config.{key}={c[key]!r} is not supported with {kind} "
-                             f"(config.mesh={c.mesh!r}): set it to {fix}, or use a mesh with "
-                             "the data axis only")
-
-
-def _check_fsdp(c, stage: bool, model: bool) -> None:
-    """An ``fsdp`` axis: alone with ``data``, XLA's collectives, an elementwise
-    optimizer (each device updates its own 1/F slice of each leaf)."""
-    if stage or model:
-        raise ValueError(f"config.mesh={c.mesh!r}: an 'fsdp' axis with a 'stage' or 'model' axis "
-                         "is not supported yet; use 'data:D,fsdp:F' (or 'fsdp:F')")
-    wants = [("allreduce", c.allreduce == "xla", "'xla'"),
-             ("compression", c.compression == "none", "'none'"),
-             ("shard_optimizer_state", not c.shard_optimizer_state,
-              "False (the fsdp axis already shards the optimizer state)"),
-             ("optimizer", c.optimizer in ("sgd", "adamw"),
-              "'sgd' or 'adamw' (LARS's per-layer norm would be per shard)"),
-             ("grad_clip_norm", not c.grad_clip_norm,
-              "0 (the global norm would be per shard)")]
-    for key, ok, fix in wants:
-        if not ok:
-            raise ValueError(f"config.{key}={c[key]!r} is not supported with an 'fsdp' axis "
                              f"(config.mesh={c.mesh!r}): set it to {fix}, or use a mesh with "
                              "the data axis only")
 

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from trjax import comm, models
+from trjax import comm, models, tensor
 from trjax.batchnorm import BatchNormContext, linen_interceptor
 from trjax.collectives import as_varying
 from trjax.metrics import batch_metrics
@@ -729,6 +729,7 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
                       + (", or bn_mode='sync'" if bn_mode == "running" else ""), stacklevel=2)
     params = net.abstract_variables(image_shape)["params"]
     dims = fsdp.shard_dims(params, S)
+    specs = fsdp.param_specs(dims, "stage")
     packing = StageRows.build(params, dims, [stages.names(k) for k in range(S)])
     fb = functools.partial(_forward_backward, net, stages, M, bn_mode, data, S, remat, schedule,
                            packing)
@@ -744,8 +745,8 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
                   bn_mode=bn_mode, forward_backward=fb,
                   grad_axes="data" if sizes["data"] > 1 else (),
                   bn_reduce_axes=(data, "stage") if bn_mode == "running" else "stage",
-                  params=fsdp.param_specs(dims, "stage"), check_vma=False,
-                  local_shapes=lambda p, s: (fsdp.local_shapes(p, dims, S), s),
+                  params=specs, check_vma=False,
+                  local_shapes=lambda p, s: (tensor.local_shapes(p, specs, sizes), s),
                   gather=functools.partial(fsdp.gather, dims=dims, groups=everything, size=S,
                                            axis_name="stage"),
                   finite_axes="stage", kind="pipeline", line=line, point_to_point=traffic,

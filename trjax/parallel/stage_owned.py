@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from trjax.parallel.fsdp import _from_rows
+from trjax.parallel.fsdp import from_rows
 
 STAGE_AXIS = "stage"
 
@@ -107,7 +107,7 @@ class StageRows:
             self.local_shape(mine[-1][1]))] if mine else [])
         pieces = jnp.split(rows, cuts, axis=1) if mine else []
         for (_, i), piece in zip(mine, pieces):
-            out[i] = _from_rows(piece, self.dims[i], self.local_shape(i))
+            out[i] = from_rows(piece, self.dims[i], self.local_shape(i))
         for i, d in enumerate(self.dims):
             if d is None:
                 out[i] = next(w)
