@@ -500,7 +500,7 @@ def part_syncbn(a) -> dict:
 
     # the reference: one device, the whole batch in one piece, no shard_map, no buckets
     ref = models.create_model(name, num_classes=10, bn_mode="local", axis_name=None,
-                              bn_momentum=c.bn_momentum)
+                              bn_momentum=0.9 if c.bn_momentum is None else c.bn_momentum)
     tx = optim.make_optimizer(c.optimizer, tr.schedule, tr.plan, momentum=c.momentum,
                               weight_decay=c.weight_decay, nesterov=c.nesterov,
                               trust_coefficient=c.trust_coefficient)

@@ -19,7 +19,7 @@ import optax
 import pytest
 from flax import nnx
 
-from helpers import assert_within_reorder_rounding, small_config, to_host
+from helpers import assert_within_bound_except_still, small_config, to_host
 from trjax import models, steps
 from trjax.data import input_pipeline as ip
 from trjax.objective import StepOptions
@@ -170,22 +170,6 @@ def _nnx_reference(model, x, labels):
     return new, nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
 
 
-def _within_bound(a, b, start, rows=GLOBAL):
-    """helpers.assert_within_reorder_rounding leaf by leaf, except a leaf the reference
-    barely moves (a conv bias right before BatchNorm: its gradient is 0 up to rounding,
-    a sum of cancelling terms the bound does not cover): both runs must leave it within
-    1e-6 of the start. Returns the worst ratio to the bound."""
-    worst = 0.0
-    for (path, y), x, x0 in zip(jax.tree_util.tree_flatten_with_path(b)[0],
-                                jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(start)):
-        y, x, x0 = (np.asarray(v, np.float64) for v in (y, x, x0))
-        if np.abs(y - x0).max() < 1e-6:
-            assert np.abs(x - x0).max() < 1e-6, jax.tree_util.keystr(path)
-            continue
-        worst = max(worst, assert_within_reorder_rounding([x], [y], [x0], rows))
-    return worst
-
-
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_eight_devices_equal_the_library_on_one_device(kind):
     """(a) One step on 8 devices (sync BN) against the model's own library on the 32 rows
@@ -210,9 +194,10 @@ def test_eight_devices_equal_the_library_on_one_device(kind):
             keys = [steps.dropout_key(tr.config.seed, 0, r, 0) for r in range(8)]
         params, stats = _linen_reference(tr.model.module, start.params, start.batch_stats, x,
                                          labels, keys)
-    worst = _within_bound(after.params, params, start.params)
+    worst = assert_within_bound_except_still(after.params, params, start.params, GLOBAL)
     if jax.tree_util.tree_leaves(start.batch_stats):
-        worst = max(worst, _within_bound(after.batch_stats, stats, start.batch_stats))
+        worst = max(worst, assert_within_bound_except_still(after.batch_stats, stats,
+                                                            start.batch_stats, GLOBAL))
     else:
         assert start.batch_stats == {} and after.batch_stats == {}
     print(f"{kind}: worst leaf / bound {worst:.3g}")
@@ -227,7 +212,8 @@ def test_running_mode_statistics_equal_flax_on_the_whole_batch():
     _, stats = _linen_reference(tr.model.module, start.params, start.batch_stats, x,
                                 batch["label"].astype(np.int32))
     first = lambda t: t["BatchNorm_0"]
-    _within_bound(first(after.batch_stats), first(stats), first(start.batch_stats))
+    assert_within_bound_except_still(first(after.batch_stats), first(stats),
+                                     first(start.batch_stats), GLOBAL)
 
 
 # -- (b) flax's BatchNorm on a padded batch: the count-weighted statistics --------------------
@@ -396,17 +382,17 @@ class IntLogits(nn.Module):
         return jnp.round(nn.Dense(10)(x.reshape((x.shape[0], -1)))).astype(jnp.int32)
 
 
-class Pair(nn.Module):
+class Pair(nn.Module):  # a dict: trjax cannot tell which entry the logits are
     @nn.compact
     def __call__(self, x, train: bool):
         y = nn.Dense(10)(x.reshape((x.shape[0], -1)))
-        return y, y
+        return {"logits": y, "features": y}
 
 
 @pytest.mark.parametrize("model,needle", [
     (WrongK(), r"returned shape \(2, 7\); trjax needs logits \[B, num_classes\] = \[2, 10\]"),
     (IntLogits(), r"returned int32 logits; trjax needs a float dtype"),
-    (Pair(), r"trjax needs the logits alone"),
+    (Pair(), r"trjax needs the logits, one array \[B, 10\], alone or first in a tuple"),
     (lambda x: x, r"is neither a flax linen Module nor an nnx Module"),
     (LinenBN, r"model=LinenBN is a class: pass an instance"),
 ])

@@ -25,6 +25,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import zlib
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
@@ -414,6 +415,44 @@ class FlaggedSequential(nn.Module):
         return x
 
 
+RNG_STREAMS = ("dropout", "drop_path", "droppath", "stochastic_depth")
+"""The linen random streams a training apply receives by name (``dropout``:
+the step's key itself; the others a key folded from it). Any other name a
+model asks for falls back, as flax does, to the ``params`` stream, which the
+training apply also receives (a key of its own)."""
+
+
+def _linen_rngs(rng) -> dict | None:
+    """``{stream: key}`` for a linen training apply: :data:`RNG_STREAMS` and
+    ``params`` (flax's fallback for other names), each its own key from ``rng``."""
+    if rng is None:
+        return None
+    fold = lambda name: jax.random.fold_in(rng, zlib.crc32(name.encode()) & 0x7FFFFFFF)
+    return {name: rng if name == "dropout" else fold(name) for name in RNG_STREAMS + ("params",)}
+
+
+def _call_rngs(fn) -> str | None:
+    """``"required"`` / ``"optional"`` when ``fn`` takes ``rngs`` (an nnx model
+    that takes its random keys at call time, the NNX tutorials' way), else
+    ``None``."""
+    try:
+        p = inspect.signature(fn).parameters.get("rngs")
+    except (TypeError, ValueError):
+        return None
+    if p is None or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+        return None
+    return "optional" if p.default is not p.empty else "required"
+
+
+def logits_of(out):
+    """The logits of a model's output: ``out`` itself, or the first element of
+    a ``(logits, extras)`` tuple (big_vision's models return their
+    intermediate features beside the logits; trjax trains on the logits)."""
+    if isinstance(out, (tuple, list)) and len(out) >= 1 and hasattr(out[0], "shape"):
+        return out[0]
+    return out
+
+
 def _nest(flat: dict, leaf: str) -> dict:
     """``{(a, b): v}`` -> ``{a: {b: {leaf: v}}}``."""
     out: dict = {}
@@ -526,6 +565,11 @@ class Network:
       train_flag: the name of the ``__call__`` argument that takes the
         training flag (:data:`TRAIN_FLAGS`; :data:`EVAL_FLAGS` take it
         inverted), or ``None``.
+      call_rngs: an nnx ``__call__`` that takes ``rngs``: ``"required"`` or
+        ``"optional"`` (:func:`_call_rngs`); it gets ``nnx.Rngs`` from the
+        step's key in training (and in evaluation when required).
+      bn_momentum: every BatchNorm's running momentum (``config.bn_momentum``),
+        or ``None``: each layer keeps its own.
     """
     module: Any
     kind: str = "linen"
@@ -536,6 +580,8 @@ class Network:
     folds: bool = False
     train_flag: Optional[str] = "train"
     nnx: Optional[_NNXParts] = None
+    call_rngs: Optional[str] = None
+    bn_momentum: Optional[float] = None
 
     def _flag(self, train: bool) -> dict:
         return _flag_value(self.train_flag, train)
@@ -586,14 +632,27 @@ class Network:
             swap_nnx_batchnorms(model, ctx)
             model.train()
             with nnx_context(ctx):
-                logits = model(x, **self._flag(True))
-            return logits, _nest(ctx.sums, "sums")
-        with nn.intercept_methods(linen_interceptor(ctx)):
-            logits, new = self.module.apply(
-                {"params": params, "batch_stats": batch_stats}, x, **self._flag(True),
-                rngs=None if rng is None else {"dropout": rng},
-                mutable=["batch_stats", "bn_sums"])
-        return logits, new.get("bn_sums", {})
+                logits = logits_of(model(x, **self._flag(True), **self._rngs(rng, True)))
+            sums = _nest(ctx.sums, "sums")
+        else:
+            with nn.intercept_methods(linen_interceptor(ctx)):
+                out, new = self.module.apply(
+                    {"params": params, "batch_stats": batch_stats}, x, **self._flag(True),
+                    rngs=_linen_rngs(rng), mutable=["batch_stats", "bn_sums"])
+            logits, sums = logits_of(out), new.get("bn_sums", {})
+        if self.bn_momentum is not None:  # config.bn_momentum: every layer's rule
+            ctx.rules.update({p: (self.bn_momentum, u) for p, (_, u) in ctx.rules.items()})
+        return logits, sums
+
+    def _rngs(self, rng, train: bool) -> dict:
+        """``{"rngs": nnx.Rngs}`` for an nnx ``__call__`` that takes them: in
+        training from ``rng`` (the ``dropout`` stream is ``rng`` itself, every
+        other name falls back to ``default``), in evaluation only when required."""
+        if self.call_rngs is None or not (train or self.call_rngs == "required"):
+            return {}
+        from flax import nnx
+        key = jax.random.key(0) if rng is None else rng
+        return {"rngs": nnx.Rngs(jax.random.fold_in(key, 1), dropout=key)}
 
     def apply_eval(self, params, bn, x, folded: bool = False):
         """Evaluation logits ``[B, K]`` (training flag off, no randomness).
@@ -603,9 +662,10 @@ class Network:
         if self.kind == "nnx":
             model = self.nnx.merge(params, bn, None)
             model.eval()
-            return model(x, **self._flag(False))
+            return logits_of(model(x, **self._flag(False), **self._rngs(None, False)))
         collection = "bn_folded" if folded and self.folds else "batch_stats"
-        return self.module.apply({"params": params, collection: bn}, x, **self._flag(False))
+        return logits_of(self.module.apply({"params": params, collection: bn}, x,
+                                           **self._flag(False)))
 
     def fold(self, params, batch_stats):
         """What the evaluation step reads: the folded BatchNorm tree
@@ -631,7 +691,8 @@ def as_network(model) -> Network:
     nnx = sys.modules.get("flax.nnx")
     if nnx is not None and isinstance(model, (nnx.Module, nnx.bridge.ToLinen)):
         parts, call = _nnx_parts(model)
-        return Network(model, "nnx", dtype=jnp.float32, train_flag=_call_flag(call), nnx=parts)
+        return Network(model, "nnx", dtype=jnp.float32, train_flag=_call_flag(call), nnx=parts,
+                       call_rngs=_call_rngs(call))
     if isinstance(model, nn.Sequential):  # every layer gets the flag it takes
         model = FlaggedSequential(layers=tuple(model.layers))
     if isinstance(model, nn.Module):
@@ -689,20 +750,57 @@ def check_output(net: Network, image_shape: tuple, num_classes: int, dtype=jnp.f
         where = f"the model (in {mode}, on a batch of 2 images {tuple(image_shape)})"
         if not isinstance(out, jax.ShapeDtypeStruct):
             raise ValueError(f"{where} returned {jax.tree_util.tree_map(lambda a: a.shape, out)}"
-                             f" (a {type(out).__name__}); trjax needs the logits alone, one "
-                             f"array [B, {num_classes}]: return only the logits")
+                             f" (a {type(out).__name__}); trjax needs the logits, one array "
+                             f"[B, {num_classes}], alone or first in a tuple (logits, extras): "
+                             "return the logits, or (logits, extras)")
         if tuple(out.shape) != (2, num_classes):
             raise ValueError(f"{where} returned shape {tuple(out.shape)}; trjax needs logits "
                              f"[B, num_classes] = [2, {num_classes}] (num_classes from the data "
                              f"set): give the last layer {num_classes} outputs, e.g. "
-                             f"nn.Dense({num_classes}), and flatten or pool the spatial axes")
+                             f"nn.Dense({num_classes}), and flatten or pool the spatial axes "
+                             "(of a tuple output, trjax reads the first element as the logits)")
         if not jnp.issubdtype(out.dtype, jnp.floating):
             raise ValueError(f"{where} returned {out.dtype} logits; trjax needs a float dtype "
                              "(the loss is differentiated): return e.g. logits.astype(jnp.float32)")
 
 
+def bn_momenta(net: Network, image_shape: tuple) -> dict[str, float]:
+    """``{layer path: momentum}`` of every BatchNorm ``net`` calls in training
+    (the momentum its running statistics follow, after :attr:`Network.bn_momentum`),
+    from an abstract trace (nothing is computed); trjax's ResNets: ``{"*": momentum}``."""
+    if isinstance(net.module, ResNet):  # its layers reduce over the mesh: not traced here
+        return {"*": net.module.bn_momentum if net.bn_momentum is None else net.bn_momentum}
+    x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), net.dtype)
+    ctx = BatchNormContext("local")
+    jax.eval_shape(lambda v, x, k: net.apply_train(v["params"], v["batch_stats"], x, ctx, k)[0],
+                   net.abstract_variables(image_shape), x, jax.random.key(0))
+    return {"/".join(map(str, p)): m for p, (m, _) in ctx.rules.items()}
+
+
+def warn_slow_statistics(momenta: dict, total_steps: int) -> None:
+    """Warns when a BatchNorm's running statistics would still hold more than
+    half their starting value after the run: ``momentum ** total_steps > 0.5``
+    (e.g. a published 0.997 over fewer than 231 steps). Evaluation reads those
+    statistics, so its accuracy would say little about the weights.
+
+    Warns (``UserWarning``): naming the layers, their momentum and the fix
+    (``config.bn_momentum``, which sets every layer's)."""
+    slow = {p: m for p, m in momenta.items() if m ** max(total_steps, 0) > 0.5}
+    if slow:
+        m = max(slow.values())
+        import warnings
+        warnings.warn(
+            f"{len(slow)} BatchNorm layer(s) (e.g. {next(iter(slow))!r}, momentum {m:g}) keep "
+            f"{m ** total_steps:.0%} of their starting statistics after this run's "
+            f"{total_steps} steps, so evaluation would normalise with statistics the data barely "
+            "moved; set config.bn_momentum (every layer's, yours included), e.g. "
+            f"--config.bn_momentum={0.5 ** (4 / max(total_steps, 1)):.3g}, or train "
+            "longer", UserWarning, stacklevel=2)
+
+
 def wrap(model, *, image_shape: tuple, num_classes: int, mean=None, std=None,
-         dtype=jnp.float32, seed: int = 0, check: bool = True) -> Network:
+         dtype=jnp.float32, seed: int = 0, bn_momentum: Optional[float] = None,
+         check: bool = True) -> Network:
     """The :class:`Network` the trainer trains: ``model`` with the data set's
     input statistics, the compute dtype and the dropout seed.
 
@@ -715,6 +813,8 @@ def wrap(model, *, image_shape: tuple, num_classes: int, mean=None, std=None,
         standardisation), applied by the steps with :func:`normalize`.
       dtype: the compute dtype of the standardised input.
       seed: the seed of the dropout stream (``config.seed``).
+      bn_momentum: every BatchNorm's running momentum, the model's own
+        layers' included (``config.bn_momentum``), or ``None`` (each keeps its own).
       check: run :func:`check_output` (abstract shapes only).
 
     Raises:
@@ -724,7 +824,8 @@ def wrap(model, *, image_shape: tuple, num_classes: int, mean=None, std=None,
     """
     net = as_network(model)
     net = dataclasses.replace(net, mean=None if mean is None else tuple(mean),
-                              std=None if std is None else tuple(std), dtype=dtype, seed=int(seed))
+                              std=None if std is None else tuple(std), dtype=dtype, seed=int(seed),
+                              bn_momentum=None if bn_momentum is None else float(bn_momentum))
     if check:
         check_output(net, image_shape, num_classes, dtype)
     return net

@@ -58,7 +58,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.model_kwargs = ml_collections.ConfigDict()  # more keyword arguments for the model
     #                                (--config.model_kwargs="{'width': 32}")
     c.bn_mode = "running"          # "running" (seed), "sync" (SyncBatchNorm), "local"
-    c.bn_momentum = 0.9
+    c.bn_momentum = ml_collections.FieldReference(None, field_type=float)  # None: each
+    #                                BatchNorm keeps its own (trjax's ResNets 0.9); a float
+    #                                sets every BatchNorm's running momentum, yours included
     c.zero_init_residual = False   # built-in ResNets: each residual block's last BatchNorm
     #                                scale starts at 0 (Goyal et al. 2017; flax's ImageNet example)
     # communication

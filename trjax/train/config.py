@@ -45,6 +45,7 @@ class Key:
         error naming the key.
       checkpoint: the value must equal the one in the checkpoint's meta.
       hint: appended to a range error (units, what 0 means).
+      optional: ``None`` is a valid value too (its meaning is in ``hint``).
     """
     kind: str
     valid: Any = None
@@ -52,6 +53,7 @@ class Key:
     resume: bool = False
     checkpoint: bool = False
     hint: str = ""
+    optional: bool = False
 
 
 INT32_MAX = 2 ** 31 - 1
@@ -93,7 +95,8 @@ KEYS = {
     "model": Key("choice", tuple(models.MODELS), **_MATCH),  # or "module:attr" (check_model)
     "model_kwargs": Key("dict"),  # resume: config.json compares it (JSON; no checkpoint meta)
     "bn_mode": Key("choice", BN_MODES, **_MATCH),
-    "bn_momentum": Key("float", (0.0, True, 1.0, False)),
+    "bn_momentum": Key("float", (0.0, True, 1.0, False), optional=True,
+                       hint=" (None: each BatchNorm keeps its own; trjax's ResNets 0.9)"),
     "zero_init_residual": Key("bool"),  # built-in ResNets: each block's last BN scale = 0
     # communication
     "buckets": Key("str", **_MATCH),  # checked in validate: BUCKET_POLICIES or size:<MB>
@@ -222,6 +225,8 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
                                  "(int32, as the step counters on the device)")
     for key, (low, low_in, high, high_in) in FLOAT_RANGES.items():
         v = c[key]
+        if v is None and KEYS[key].optional:
+            continue
         ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (
             low <= v if low_in else low < v) and (v <= high if high_in else v < high)
         if not ok:

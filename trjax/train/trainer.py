@@ -87,8 +87,9 @@ def prepare(config: ml_collections.ConfigDict,
         num_classes]``, float; see :func:`trjax.models.wrap`). trjax
         standardises the input with the data set's statistics, gives flax's
         BatchNorm layers its statistics in ``config.bn_mode`` and dropout its
-        key; ``config.bn_momentum`` and ``config.conv_lowering`` apply only to
-        trjax's own ResNets (your layers keep their momentum and epsilon).
+        key; ``config.bn_momentum``, when set, is every BatchNorm's momentum
+        (yours included; ``None`` keeps each layer's own), and
+        ``config.conv_lowering`` applies only to trjax's own ResNets.
       tx: an optax ``GradientTransformation`` (or ``(plan, schedule) ->
         GradientTransformation``) instead of the config's optimizer, applied
         after the gradient exchange to the exact global mean gradient
@@ -132,6 +133,8 @@ def prepare(config: ml_collections.ConfigDict,
     config_lib.validate_steps(config, len(data.train.labels), world.global_batch_size, train_steps)
     dtype = compute_dtype(config.precision)
     model = _network(config, world, data, model, dtype)
+    models.warn_slow_statistics(models.bn_momenta(model, data.image_shape),
+                                train_steps * config.num_epochs)
     layout = parallel.from_config(config, world, model, data.image_shape, tx=tx)
     plan = build_plan(model, data.image_shape, config.buckets, local=layout.local_shapes)
     schedule = optim.learning_rate_schedule(config.learning_rate,
@@ -162,13 +165,22 @@ def _network(config, world, data, model, dtype) -> models.Network:
         lowering = resolve_conv_lowering(config.conv_lowering, world.devices[0].platform)
         model = config_lib.resolve_model(config, data.num_classes, bn_mode=config.bn_mode,
                                          axis_name=world.axis_name,
-                                         bn_momentum=config.bn_momentum, dtype=dtype,
+                                         **_momentum(config.bn_momentum, builtin), dtype=dtype,
                                          conv_lowering=lowering,
                                          **({"zero_init_residual": True}
                                             if builtin and config.zero_init_residual else {}))
     return models.wrap(model, image_shape=data.image_shape, num_classes=data.num_classes,
                        mean=data.mean, std=data.std, dtype=dtype, seed=config.seed,
-                       check=not builtin)
+                       bn_momentum=config.bn_momentum, check=not builtin)
+
+
+def _momentum(bn_momentum, builtin: bool) -> dict:
+    """The ``bn_momentum`` constructor argument: ``config.bn_momentum``, or
+    when it is ``None`` 0.9 for a built-in ResNet and nothing for an import
+    path (the model's own default)."""
+    if bn_momentum is None:
+        return {"bn_momentum": 0.9} if builtin else {}
+    return {"bn_momentum": bn_momentum}
 
 
 def data_identity(split) -> dict:
