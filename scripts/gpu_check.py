@@ -353,6 +353,7 @@ def part_comm_report(a) -> dict:
     cols = r["train_step"]["collectives"]
     out = {"world_size": r["world_size"], "gradient_all_reduces": r["gradient_all_reduces"],
            "deep_before_first_conv_wgrad": r["deep_before_first_conv_wgrad"],
+           "deep_waits_for_first_conv_wgrad": r.get("deep_waits_for_first_conv_wgrad"),
            "async_collectives": r.get("async_collectives"),
            "hlo_available": cols is not None,
            "train_step_collectives": None if cols is None else [

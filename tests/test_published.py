@@ -203,3 +203,77 @@ def test_a_momentum_near_one_warns_before_compiling_naming_the_fix(monkeypatch):
         warnings.simplefilter("error")
         prepare(small_config(devices="2", global_batch_size=32, num_epochs=1, bn_momentum=0.9),
                 ip.load_digits(), model=SlowBN())
+
+
+# -- the two-bucket overlap, for any model ---------------------------------------------------
+
+class StdConv(nn.Conv):
+    """big_vision's BiT convolution: the kernel standardised per output channel."""
+
+    def param(self, name, *a, **k):
+        p = super().param(name, *a, **k)
+        if name == "kernel":
+            p = p - jnp.mean(p, axis=(0, 1, 2), keepdims=True)
+            p = p / (jnp.std(p, axis=(0, 1, 2), keepdims=True) + 1e-10)
+        return p
+
+
+class BiT(nn.Module):  # pre-activation blocks, GroupNorm, (logits, out)
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, *, train=False):
+        x = StdConv(16, (3, 3), use_bias=False, name="root_conv")(x)
+        for _ in range(2):
+            y = StdConv(16, (3, 3), use_bias=False)(nn.relu(nn.GroupNorm(4)(x)))
+            x = x + StdConv(16, (3, 3), use_bias=False)(nn.relu(nn.GroupNorm(4)(y)))
+        x = nn.relu(nn.GroupNorm(4)(x)).mean((1, 2))
+        return nn.Dense(self.num_classes, name="head")(x), {"pre_logits": x}
+
+
+class ConvNeXt(nn.Module):  # patchify stem, depthwise 7x7, LayerNorm, inverted MLP
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        x = nn.LayerNorm()(nn.Conv(16, (2, 2), strides=2, name="stem")(x))
+        for _ in range(2):
+            y = nn.LayerNorm()(nn.Conv(16, (7, 7), feature_group_count=16)(x))
+            x = x + nn.Dense(16)(nn.gelu(nn.Dense(64)(y)))
+        return nn.Dense(self.num_classes)(nn.LayerNorm()(x.mean((1, 2))))
+
+
+class MobileNetV3(nn.Module):  # hard-swish, depthwise, squeeze-excite, BatchNorm
+    num_classes: int = 10
+
+    @nn.compact
+    def __call__(self, x, train: bool = False):
+        bn = lambda: nn.BatchNorm(use_running_average=not train)
+        x = nn.hard_swish(bn()(nn.Conv(16, (3, 3), strides=2, use_bias=False)(x)))
+        for _ in range(2):
+            y = nn.hard_swish(bn()(nn.Conv(32, (1, 1), use_bias=False)(x)))
+            y = nn.hard_swish(bn()(nn.Conv(32, (3, 3), feature_group_count=32,
+                                           use_bias=False)(y)))
+            s = nn.hard_sigmoid(nn.Dense(32)(nn.relu(nn.Dense(8)(y.mean((1, 2), keepdims=True)))))
+            x = x + bn()(nn.Conv(16, (1, 1), use_bias=False)(y * s))
+        return nn.Dense(self.num_classes)(x.mean((1, 2)))
+
+
+@pytest.mark.parametrize("model", [BiT, ConvNeXt, MobileNetV3])
+def test_the_deep_all_reduce_never_waits_for_the_first_conv_weight_gradient(model):
+    """The promise trjax can keep for any model is a data dependency: the deep bucket's
+    all-reduce uses none of the first conv's weight gradient (XLA may then issue it first
+    and overlap the two; the order it picks is its own). The first bucket, which carries
+    that gradient, does depend on it: the check sees dependencies."""
+    from trjax import comm
+    from trjax.report import comm_report
+    from trjax.train import setup
+    tr = setup(small_config(devices="2", global_batch_size=32, eval_batch_size=32),
+               ip.load_digits(), model=model())
+    r = comm_report(tr)
+    assert r["gradient_all_reduces"] == 2 and r["first_conv_wgrad_positions"]
+    assert r["deep_waits_for_first_conv_wgrad"] is False
+    first = [c["position"] for c in r["train_step"]["collectives"]
+             if c["carries"] == ["bucket:first (first conv + BN + FC)"]]
+    text = comm.hlo_text(next(s for s in tr.compiled if s.name == "train_step").compiled)
+    assert comm.depends_on(text, first, r["first_conv_wgrad_positions"]) is True

@@ -557,6 +557,35 @@ def conv_positions(hlo_text: str | None, kernel_shape) -> list[int] | None:
     return pos
 
 
+_REF = re.compile(r"%([\w.\-]+)")
+
+
+def depends_on(hlo_text: str | None, later, earlier) -> bool | None:
+    """Whether an entry instruction at a position in ``later`` uses, directly
+    or through other entry instructions, one at a position in ``earlier``
+    (positions as :func:`conv_positions` and :func:`collectives_in_hlo` give
+    them). A data dependency is the one order XLA's scheduler must keep; any
+    other order is its choice. None for no text."""
+    if hlo_text is None:
+        return None
+    lines = [(m.group(1), m.group(4)) if m else ("", "")
+             for m in map(_INSTR.match, entry_lines(hlo_text))]  # positions count every line
+    index = {name: i for i, (name, _) in enumerate(lines) if name}
+    target, seen = set(earlier), set()
+    todo = [i for i in later if i < len(lines)]
+    while todo:
+        i = todo.pop()
+        for ref in _REF.findall(lines[i][1]):
+            j = index.get(ref)
+            if j is None or j in seen:
+                continue
+            if j in target:
+                return True
+            seen.add(j)
+            todo.append(j)
+    return False
+
+
 def label_collectives(collectives: list[dict], labels_by_elements: dict[int, str]) -> list[dict]:
     """Adds ``"carries"``: one label per operand, from its element count
     (``"other"`` when no plan buffer has that size)."""

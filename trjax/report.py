@@ -17,7 +17,9 @@ def comm_report(tr) -> dict:
     Returns:
       A JSON-ready dict: ``world_size``, ``bn_mode``, ``buckets``,
       ``train_step`` / ``eval_step`` / ``eval_reduce`` collectives,
-      ``gradient_all_reduces`` (count), ``deep_before_first_conv_wgrad``,
+      ``gradient_all_reduces`` (count), ``deep_before_first_conv_wgrad`` (the
+      compiled schedule's order, XLA's choice), ``deep_waits_for_first_conv_wgrad``
+      (a data dependency: False for any model, so XLA may overlap the two),
       ``traffic_per_rank_bytes`` (ring model).
     """
     config, plan = tr.config, tr.plan
@@ -54,6 +56,7 @@ def comm_report(tr) -> dict:
             if step.name == "train_step":
                 out.update(gradient_all_reduces=None, first_conv_wgrad_positions=None,
                            deep_before_first_conv_wgrad=None, bucket_elements_match_plan=None,
+                           deep_waits_for_first_conv_wgrad=None,
                            async_collectives=None)
             continue
         cols = comm.label_collectives(comm.collectives_in_hlo(text), labels)
@@ -84,6 +87,10 @@ def comm_report(tr) -> dict:
             deep = [c["position"] for c in grads if first_bucket in c["carries"]]
             out["first_conv_wgrad_positions"] = wgrad
             out["deep_before_first_conv_wgrad"] = bool(deep and wgrad and max(deep) < min(wgrad))
+            # what trjax guarantees for any model: the deep all-reduce never waits for
+            # the first conv's weight gradient (the order above is XLA's choice)
+            out["deep_waits_for_first_conv_wgrad"] = comm.depends_on(text, deep, wgrad) \
+                if deep and wgrad else None
             out["bucket_elements_match_plan"] = sorted(c["elements"] for c in grads
                                                        if len(c["operands"]) == 1) == \
                 sorted(plan.bucket_elements.values())
@@ -135,7 +142,8 @@ def format_report(r: dict) -> str:
             lines.append(f"  over {axis}: {v['count']} issued per step, {v['bytes']} B")
     lines.append(f"gradient all-reduces: {r['gradient_all_reduces']}; deep bucket before the "
                  f"first conv's weight gradient: {r['deep_before_first_conv_wgrad']} "
-                 f"(wgrad at {r['first_conv_wgrad_positions']})")
+                 f"(wgrad at {r['first_conv_wgrad_positions']}; XLA's order); the deep "
+                 f"all-reduce waits for it: {r['deep_waits_for_first_conv_wgrad']}")
     lines.append("alpha-beta cost model per all-reduce algorithm (alpha 5 us, 25 GB/s):")
     for alg, rows in r["cost_model"].items():
         name = "xla (as ring)" if alg == "xla" else alg
