@@ -145,6 +145,37 @@ def test_nnx_call_time_rngs_one_step_on_two_devices_equals_nnx_per_rank():
     assert_within_bound_except_still(to_host(after).params, want, start.params, n * 8 * 8)
 
 
+class NNXDropPath(nnx.Module):
+    """nnx's way to a stream of its own: a Dropout on ``drop_path`` whose Rngs are kept."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.conv = nnx.Conv(1, 8, (3, 3), rngs=rngs)
+        self.drop_path = nnx.Dropout(0.5, broadcast_dims=(1, 2, 3), rng_collection="drop_path",
+                                     rngs=rngs)
+        self.fc = nnx.Linear(8, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.fc(jnp.mean(self.drop_path(self.conv(x)), axis=(1, 2)))
+
+
+def test_nnx_streams_of_their_own_draw_from_the_step_key():
+    """Every nnx Rngs stream is re-seeded from the step's key: another key drops other
+    examples, the same key the same ones, about half of them at rate 0.5, none in eval."""
+    net = models.wrap(NNXDropPath(rngs=nnx.Rngs(0, drop_path=1)), image_shape=(8, 8, 1),
+                      num_classes=10)
+    v = net.init(None, (8, 8, 1))
+    x = jnp.ones((64, 8, 8, 1))
+    run = lambda k: np.asarray(net.apply_train(v["params"], v["batch_stats"], x,
+                                               BatchNormContext("local"), k)[0])
+    clean = np.asarray(net.apply_eval(v["params"], v["batch_stats"], x))
+    bias = np.asarray(v["params"]["fc"]["bias"])
+    dropped = lambda out: np.all(np.isclose(out, bias), axis=1)  # the whole example zeroed
+    a, b = run(KEY), run(jax.random.key(8))
+    np.testing.assert_array_equal(a, run(KEY))
+    assert 16 <= dropped(a).sum() <= 48 and not np.array_equal(dropped(a), dropped(b))
+    assert not dropped(clean).any()
+
+
 class SlowBN(nn.Module):
     momentum: float = 0.997
 
