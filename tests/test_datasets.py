@@ -310,7 +310,7 @@ def test_the_packaged_digits_are_scikit_learns_split_bit_for_bit():
 def test_one_registry_names_every_loader(tmp_path):
     assert ds.DATASETS == tuple(ds.LOADERS) == ip.DATASETS
     assert set(ds.DATASETS) == {"digits", "cifar10", "cifar100", "mnist", "fashion_mnist",
-                                "imagefolder"}
+                                "imagefolder", "hf", "array_record"}
     with pytest.raises(ValueError, match=r"dataset 'svhn' is unknown; choose one of \['digits'"):
         ds.load_dataset("svhn")
     with pytest.raises(ValueError, match="dataset 'mnist' reads files: set --config.data_dir"):
@@ -322,7 +322,7 @@ def test_sources_never_import_the_pipeline():
     import ast
     import pathlib
     root = pathlib.Path(ds.__file__).parent
-    for name in ("datasets", "formats", "imagefolder", "augment"):
+    for name in ("datasets", "formats", "imagefolder", "augment", "sources"):
         tree = ast.parse((root / f"{name}.py").read_text())
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}

@@ -376,7 +376,15 @@ LOADERS: dict[str, Callable[..., Dataset]] = {
     "mnist": _needs_dir(lambda d, **_: load_mnist(d, "mnist"), "mnist"),
     "fashion_mnist": _needs_dir(lambda d, **_: load_mnist(d, "fashion_mnist"), "fashion_mnist"),
     "imagefolder": _needs_dir(load_image_folder, "imagefolder"),
+    # random-access sources (trjax.data.sources): a datasets save_to_disk folder, ArrayRecord files
+    "hf": _needs_dir(lambda d, **_: _sources().load_hf(d), "hf"),
+    "array_record": _needs_dir(lambda d, **_: _sources().load_array_record(d), "array_record"),
 }
+
+
+def _sources():
+    from trjax.data import sources  # imports this module: loaded on first use
+    return sources
 DATASETS = tuple(LOADERS)
 
 

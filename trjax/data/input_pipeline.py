@@ -193,7 +193,8 @@ def available_cores() -> int:
 def resolve_workers(workers: int, split) -> int:
     """Worker processes for a split: ``workers`` (``-1`` = :func:`available_cores`).
 
-    In-memory :class:`Split` arrays: always 0 (gathered in-process). ``-1``
+    In-memory :class:`Split` arrays: always 0 (gathered in-process); a split
+    read on demand (an ImageFolder, :mod:`trjax.data.sources`) may use them. ``-1``
     without grain installed: 0 (the in-process path gives the same batches).
 
     Raises:
@@ -203,7 +204,7 @@ def resolve_workers(workers: int, split) -> int:
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < -1:
         raise ValueError(f"data_workers={workers!r} must be -1 (the cores available), 0 (in this "
                          "process) or a number of worker processes")
-    if isinstance(split, Split) or workers == 0:
+    if (isinstance(split, Split) and isinstance(split.images, np.ndarray)) or workers == 0:
         return 0
     try:
         import grain  # noqa: F401 - optional extra
