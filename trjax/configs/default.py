@@ -57,6 +57,9 @@ def get_config() -> ml_collections.ConfigDict:
     #                                "package.module:Name" of a flax Module class or a factory
     c.model_kwargs = ml_collections.ConfigDict()  # more keyword arguments for the model
     #                                (--config.model_kwargs="{'width': 32}")
+    c.init_from = ""               # a fresh run's weights, by name: a trjax workdir, a .npz or
+    #                                a flax .msgpack; a leaf of another shape (the classifier)
+    #                                is re-initialised (trjax.train.init_from); "": none
     c.bn_mode = "running"          # "running" (seed), "sync" (SyncBatchNorm), "local"
     c.bn_momentum = ml_collections.FieldReference(None, field_type=float)  # None: each
     #                                BatchNorm keeps its own (trjax's ResNets 0.9); a float

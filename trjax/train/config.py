@@ -93,6 +93,7 @@ KEYS = {
     "eval_batch_size": Key("int", 1),
     # model
     "model": Key("choice", tuple(models.MODELS), **_MATCH),  # or "module:attr" (check_model)
+    "init_from": Key("str", program=False, resume=True),  # trjax.train.init_from; a fresh run only
     "model_kwargs": Key("dict"),  # resume: config.json compares it (JSON; no checkpoint meta)
     "bn_mode": Key("choice", BN_MODES, **_MATCH),
     "bn_momentum": Key("float", (0.0, True, 1.0, False), optional=True,

@@ -36,6 +36,7 @@ import numpy as np
 from trjax.cpu import host
 from trjax.data import input_pipeline
 from trjax.train import checkpoint, compilation, distributed, loop_io, metrics_log, stops
+from trjax.train import init_from as init_from_lib
 from trjax.train.trainer import Trainer, checkpoint_keys, evaluate_pass, prepare, setup
 from trjax.train.workdir import check_writable, holds_workdir
 from trjax.world import host_value
@@ -73,7 +74,7 @@ def _finishing(ckpt, seconds: list):
 @holds_workdir  # one live run per workdir (process 0 holds WORKDIR/trjax.lock)
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
                        data: input_pipeline.Dataset | None = None, model=None, tx=None,
-                       loss_fn=None, transform=None):
+                       loss_fn=None, transform=None, init_from=None):
     """Trains and evaluates, checkpointing under ``workdir/checkpoints``.
 
     Resumes by default from the newest readable checkpoint in ``workdir``
@@ -91,6 +92,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         -> [B]`` (see :func:`trjax.train.trainer.prepare`).
       transform: optional per-example training augmentation ``(uint8 image
         [H, W, C], rng) -> uint8 image`` (see :func:`trjax.train.trainer.prepare`).
+      init_from: optional weights for a fresh run instead of
+        ``config.init_from``: a path or a ``{"params", "batch_stats"}`` tree
+        (:mod:`trjax.train.init_from`); ignored when the run resumes.
 
     Returns:
       ``(state, summary)``: the final :class:`trjax.state.TrainState` and the
@@ -112,7 +116,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       trjax.train.workdir.WorkdirBusy: another live run writes into ``workdir``.
     """
     t_start = time.perf_counter()
-    prepared = prepare(config, data, model, tx, loss_fn=loss_fn, transform=transform)
+    prepared = prepare(config, data, model, tx, loss_fn=loss_fn, transform=transform,
+                       init_from=init_from)
     seconds = {"prepare": time.perf_counter() - t_start}  # where the wall time goes
     cache = compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
     with compilation.CompileLog("startup") as compiles:  # every executable built, by phase
@@ -242,6 +247,9 @@ class Run:
                     "last checkpoint" if self.start_epoch > config.num_epochs else
                     f"resumed from step {step} (epoch {self.start_epoch}, batch "
                     f"{self.start_batch})")
+        if not self.meta and self.tr.init_plan is not None:  # a fresh run: its weights
+            self.state = init_from_lib.apply(self.state, self.tr.init_plan)
+            say(self.tr.init_plan.describe())
         self.restored_step = int(host_value(self.state.step))
         self._open_logs()
         if config.halt_after_steps and self.restored_step >= config.halt_after_steps:

@@ -22,6 +22,7 @@ import numpy as np
 from trjax import aot, models, optim, parallel, steps
 from trjax.data import input_pipeline
 from trjax.train import config as config_lib
+from trjax.train import init_from as init_from_lib
 from trjax import exchange as exchange_lib
 from trjax.cpu.im2col import resolve_conv_lowering
 from trjax.metrics import METRICS, StepMetrics
@@ -57,6 +58,7 @@ class Trainer:
     full_batches: bool = False
     loss_fn: Any = None
     transform: Any = None
+    init_plan: Any = None
     state: Any = None
     train_step: aot.CompiledStep | None = None
     fold_bn: aot.CompiledStep | None = None
@@ -70,7 +72,7 @@ class Trainer:
 
 def prepare(config: ml_collections.ConfigDict,
             data: input_pipeline.Dataset | None = None, model=None, tx=None,
-            loss_fn=None, transform=None) -> Trainer:
+            loss_fn=None, transform=None, init_from=None) -> Trainer:
     """Config -> world -> data -> model, plan, schedule and gradient exchange.
 
     Every check on the config, the device spec and the batch split runs
@@ -109,6 +111,10 @@ def prepare(config: ml_collections.ConfigDict,
         with ``rng`` keyed by (seed, epoch, example index); never on
         validation. Checked here on one example
         (:func:`trjax.data.input_pipeline.check_transform`).
+      init_from: a fresh run's weights instead of ``config.init_from``: a
+        path or a ``{"params", "batch_stats"}`` tree, read and matched to the
+        model by name here (:mod:`trjax.train.init_from`); the loop places them
+        when it does not resume.
 
     Raises:
       ValueError: an invalid config, device spec or batch split; a model whose
@@ -152,8 +158,12 @@ def prepare(config: ml_collections.ConfigDict,
     if transform is not None:
         input_pipeline.check_transform(transform, data.train, data.image_shape, seed=config.seed,
                                        workers=config.data_workers)
+    source = init_from if init_from is not None else (config.init_from or None)
+    init_plan = None if source is None else init_from_lib.plan_load(
+        model.abstract_variables(data.image_shape), init_from_lib.read_weights(source))
     return Trainer(config, world, data, model, plan, schedule, exchange, train_steps, dtype,
-                   layout.with_exchange(exchange), full, loss_fn=loss_fn, transform=transform)
+                   layout.with_exchange(exchange), full, loss_fn=loss_fn, transform=transform,
+                   init_plan=init_plan)
 
 
 def _network(config, world, data, model, dtype) -> models.Network:
