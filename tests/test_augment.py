@@ -133,3 +133,31 @@ def test_image_folder_validation_rows_are_the_eval_crop(tmp_path):
     trained = list(ip.iterate_batches(val, 4, shuffle=False, image_shape=(16, 16, 3),
                                       augment=True))
     assert not np.array_equal(np.concatenate([b["image"][b["mask"] > 0] for b in trained]), want)
+
+
+def test_the_albumentations_example_in_docs_runs_per_example_and_deterministically():
+    """docs/data.md's albumentations block, executed as it stands: its draws follow
+    trjax's per-example keys (the same batch twice is bitwise equal, other keys draw
+    otherwise), shape and dtype kept, accepted by the start-up check."""
+    pytest.importorskip("albumentations")
+    import pathlib
+    import re
+    from trjax.data import input_pipeline as ip
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "data.md").read_text()
+    block = re.search(r"```python\nimport albumentations as A\n(.*?)```", text, re.S)
+    scope: dict = {}
+    exec("import albumentations as A\n" + block.group(1), scope)
+    fn = scope["albumentations_transform"]
+    data = ip.load_digits()
+    ip.check_transform(fn, data.train, data.image_shape, seed=0)
+    batch = lambda epoch: next(ip.iterate_batches(data.train, 64, shuffle=True, seed=1,
+                                                  epoch=epoch, transform=fn))
+    a, b = batch(0), batch(0)
+    plain = next(ip.iterate_batches(data.train, 64, shuffle=True, seed=1, epoch=0))
+    np.testing.assert_array_equal(a["image"], b["image"])
+    assert a["image"].shape == plain["image"].shape and a["image"].dtype == np.uint8
+    changed = (a["image"] != plain["image"]).reshape(64, -1).any(axis=1)
+    assert 0.3 < changed.mean() < 1.0  # p=0.8 / 0.5: most examples change, some do not
+    img = data.train.images[0]  # another key, other draws
+    draws = {fn(img, np.random.default_rng(k)).tobytes() for k in range(8)}
+    assert len(draws) > 2 and fn(img, np.random.default_rng(3)).tobytes() in draws
