@@ -262,10 +262,10 @@ def run_at_once(commands, cwd, env, timeout: float):
             for p, (o, e) in zip(procs, outs)]
 
 
-def tensorboard_scalars(folder):
-    """``[(tag, step, value)]`` of every scalar in the event files under ``folder``
-    (recursively, files in sorted order), read as TFRecords (uint64 length, uint32 crc,
-    an ``Event`` proto, uint32 crc) with tensorboardX's protos."""
+def tensorboard_values(folder):
+    """``[(file, tag, step, Summary.Value)]`` of every summary value in the event files
+    under ``folder`` (recursively, files in sorted order), read as TFRecords (uint64
+    length, uint32 crc, an ``Event`` proto, uint32 crc) with tensorboardX's protos."""
     import struct
     from tensorboardX.proto import event_pb2
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(str(folder)) for f in fs
@@ -279,8 +279,15 @@ def tensorboard_scalars(folder):
             (n,) = struct.unpack("<Q", data[pos:pos + 8])
             event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
             pos += 12 + n + 4
-            out += [(v.tag, event.step, v.simple_value) for v in event.summary.value]
+            out += [(path, v.tag, event.step, v) for v in event.summary.value]
     return out
+
+
+def tensorboard_scalars(folder):
+    """``[(tag, step, value)]`` of every scalar in the event files under ``folder``
+    (:func:`tensorboard_values`; text and hparams summaries left out)."""
+    return [(tag, step, v.simple_value) for _, tag, step, v in tensorboard_values(folder)
+            if v.HasField("simple_value")]
 
 
 def run_tiny_time_to_accuracy(out):

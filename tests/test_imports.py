@@ -6,7 +6,9 @@ rule between packages that ``trjax/__init__.py`` states:
 * nothing outside ``trjax.train`` imports ``trjax.train``;
 * ``trjax.parallel`` (the layouts) imports the design modules below the step, never
   ``trjax.steps``, ``trjax.data`` or ``trjax.train``; only ``trjax.train`` imports it
-  (the steps, the state, the plan, the exchange and the models read a layout's fields).
+  (the steps, the state, the plan, the exchange and the models read a layout's fields);
+* the commands beside the trainer (``trjax.export``, ``trjax.tools``) sit on top: they
+  may import any of trjax, and nothing of trjax imports them.
 """
 import ast
 import re
@@ -51,8 +53,15 @@ def import_graph() -> dict[str, set[str]]:
     return {m: trjax_imports(p, set(files)) - {m} for m, p in files.items()}
 
 
+COMMANDS = ("trjax.export", "trjax.tools")
+"""The command modules on top of the rest (``trjax-export``, ``trjax-plot``, ...)."""
+
+
 def package_of(module: str) -> str:
-    """``"data"``, ``"cpu"``, ``"train"``, ``"parallel"`` or ``"design"`` (a top-level module)."""
+    """``"data"``, ``"cpu"``, ``"train"``, ``"parallel"``, ``"commands"`` (:data:`COMMANDS`)
+    or ``"design"`` (a top-level module)."""
+    if any(module == c or module.startswith(c + ".") for c in COMMANDS):
+        return "commands"
     parts = module.split(".")
     packages = ("data", "cpu", "train", "parallel")
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in packages) \
@@ -88,6 +97,10 @@ def rule_violations(graph: dict[str, set[str]]) -> list[str]:
         pkg = package_of(m)
         for d in sorted(deps):
             dpkg = package_of(d)
+            if dpkg == "commands" and pkg != "commands":
+                bad.append(f"{m} imports {d} (a command: nothing of trjax imports one)")
+            if pkg == "commands":
+                continue  # a command may import any of trjax
             if pkg in ("data", "cpu") and dpkg != pkg:
                 bad.append(f"{m} ({pkg}/ imports nothing else of trjax) imports {d}")
             if pkg == "design" and dpkg in ("data", "train"):
@@ -114,6 +127,13 @@ def test_the_rule_checker_finds_each_kind_of_violation():
              "trjax.train.loop": {"trjax.steps", "trjax.data.prefetch", "trjax.cpu.host"}}
     # data -> design; design -> data; design -> train (two rules at once)
     assert len(rule_violations(graph)) == 4
+    # a command imports anything; nothing imports a command
+    commands = {"trjax.export": {"trjax.train.checkpoint", "trjax.data.input_pipeline"},
+                "trjax.tools.plot": {"trjax.train.metrics_log"},
+                "trjax.train.loop": {"trjax.tools.plot"}, "trjax.models": {"trjax.export"}}
+    assert rule_violations(commands) == [
+        "trjax.models imports trjax.export (a command: nothing of trjax imports one)",
+        "trjax.train.loop imports trjax.tools.plot (a command: nothing of trjax imports one)"]
     layouts = {"trjax.parallel.pipeline": {"trjax.steps", "trjax.models"},
                "trjax.state": {"trjax.parallel.layout"},
                "trjax.train.trainer": {"trjax.parallel"}}

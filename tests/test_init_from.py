@@ -8,7 +8,7 @@ from flax import serialization
 
 from helpers import small_config, to_host
 from trjax.data import input_pipeline as ip
-from trjax.data.datasets import Dataset, Split
+from trjax.data.datasets import Split
 from trjax.train import checkpoint, init_from, setup, train_and_evaluate
 
 DIGITS = ip.load_digits()
@@ -111,3 +111,73 @@ def test_fine_tune_loads_a_checkpoint_by_name_and_a_resume_does_not_load_again(t
     for a, b in zip(jax.tree_util.tree_leaves(to_host(whole)),
                     jax.tree_util.tree_leaves(to_host(resumed))):
         np.testing.assert_array_equal(a, b)
+
+
+TV_SHAPES = {  # torchvision resnet18's state_dict, num_classes=7 (its names and layouts)
+    "conv1.weight": (64, 3, 7, 7), "bn1.weight": (64,), "fc.weight": (7, 512), "fc.bias": (7,),
+    "layer2.0.conv1.weight": (128, 64, 3, 3), "layer2.0.downsample.0.weight": (128, 64, 1, 1),
+    "layer2.0.downsample.1.running_var": (128,), "layer4.1.bn2.running_mean": (512,),
+    "layer4.1.bn2.num_batches_tracked": ()}
+
+
+def test_torchvision_names_and_layouts_map_onto_the_built_in_resnet():
+    """Every mapped name is a leaf of trjax's resnet18 with the transposed shape; the
+    values are moved, not changed; a key of another model is refused by name."""
+    from trjax import models
+    rng = np.random.default_rng(0)
+    sd = {k: rng.normal(size=s).astype(np.float32) for k, s in TV_SHAPES.items()}
+    v = init_from.from_torchvision_resnet(sd)
+    model = models.create_model("resnet18", num_classes=7, bn_mode="local", axis_name=None)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                                 np.zeros((1, 64, 64, 3), np.float32),
+                                                 train=False))
+    plan = init_from.plan_load(abstract, init_from.read_weights(v))
+    assert len(plan.loaded) == 8 and not plan.reinitialised and not plan.unused
+    np.testing.assert_array_equal(v["params"]["stem_conv"]["kernel"],
+                                  sd["conv1.weight"].transpose(2, 3, 1, 0))
+    np.testing.assert_array_equal(v["params"]["head"]["kernel"], sd["fc.weight"].T)
+    np.testing.assert_array_equal(v["batch_stats"]["stage2_block1"]["proj_bn"]["var"],
+                                  sd["layer2.0.downsample.1.running_var"])
+    np.testing.assert_array_equal(v["batch_stats"]["stage4_block2"]["BatchNorm_1"]["mean"],
+                                  sd["layer4.1.bn2.running_mean"])
+    with pytest.raises(ValueError, match=r"'features.0.weight' is not a torchvision ResNet"):
+        init_from.from_torchvision_resnet({"features.0.weight": np.zeros((1, 1, 1, 1))})
+
+
+@pytest.mark.parametrize("name", ["resnet18", "resnet50"])
+def test_torchvision_resnet_logits_equal_trjax_after_conversion(name, tmp_path):
+    """A torchvision ResNet with random weights (BN statistics randomised too), converted
+    and loaded through a .npz: trjax's evaluation logits equal torch's on the same
+    normalised images within fp32 rounding. Runs where torch and torchvision are
+    installed (the `bench` extra)."""
+    torch = pytest.importorskip("torch")
+    tv = pytest.importorskip("torchvision")
+    from trjax import models
+    torch.manual_seed(0)
+    net = getattr(tv.models, name)(num_classes=10).eval()
+    with torch.no_grad():
+        for m in net.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.5, 0.5)
+                m.running_var.uniform_(0.5, 2.0)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.uniform_(-0.2, 0.2)
+    x = np.random.default_rng(1).normal(size=(4, 3, 64, 64)).astype(np.float32)
+    with torch.no_grad():
+        want = net(torch.from_numpy(x)).numpy()
+    path = init_from.save_npz(tmp_path / "w.npz", init_from.from_torchvision_resnet(
+        net.state_dict()))
+    model = models.create_model(name, num_classes=10, bn_mode="local", axis_name=None)
+    abstract = jax.eval_shape(lambda: model.init(jax.random.key(0),
+                                                 np.zeros((1, 64, 64, 3), np.float32),
+                                                 train=False))
+    plan = init_from.plan_load(abstract, init_from.read_weights(path))
+    assert not plan.missing and not plan.reinitialised and not plan.unused
+    variables = {c: _unflat(plan.values[c]) for c in ("params", "batch_stats")}
+    got = np.asarray(model.apply(variables, x.transpose(0, 2, 3, 1), train=False))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def _unflat(flat):
+    from flax import traverse_util
+    return traverse_util.unflatten_dict(flat, sep="/")

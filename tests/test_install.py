@@ -20,7 +20,8 @@ Routes, as docs/gpu.md documents them:
 
 And installed, not only cloned: ``pip install`` of the repository (not editable) into a
 fresh venv that has everything but trjax, then the ``trjax-train`` command from an empty
-folder trains the main job with a packaged config, the clone deleted.
+folder trains the main job with a packaged config, the clone deleted; the wheel's other
+commands (``trjax-plot``, ``trjax-export``, ``trjax-tiny-cifar``) run there too.
 """
 import glob
 import json
@@ -223,3 +224,18 @@ def test_pip_install_then_the_console_command_trains_from_an_empty_folder(tmp_pa
     helped = subprocess.run([py, "-m", "trjax.train", "--help"], cwd=empty, env=_env(),
                             capture_output=True, text=True, timeout=120)
     assert "--config: A packaged config's name" in helped.stdout, helped.stdout[-2000:]
+    # the other commands of the wheel: the run's curves, its export, the tiny CIFAR
+    bin_dir = os.path.dirname(py)
+    out = _run([os.path.join(bin_dir, "trjax-plot"), "runs/x"], empty, _env())
+    assert "wrote runs/x/curves.png" in out and (empty / "runs/x/curves.png").stat().st_size
+    _run([os.path.join(bin_dir, "trjax-export"), "runs/x", "exported"], empty, _env())
+    meta = json.loads((empty / "exported" / "model.json").read_text())
+    assert meta["input"]["shape"] == ["b", 8, 8, 1] and meta["model"] == "resnet8", meta
+    out = _run([py, "-c", "import jax, numpy as np; e = jax.export.deserialize(open("
+                "'exported/model.jax_export', 'rb').read()); "
+                "print(e.call(np.zeros((3, 8, 8, 1), np.uint8)).shape)"], empty, _env())
+    assert out.strip() == "(3, 10)", out
+    helped = _run([os.path.join(bin_dir, "trjax-tiny-cifar"), "--help"], empty, _env())
+    assert "CIFAR-10-format" in helped
+    for module in ("trjax.export", "trjax.tools.plot", "trjax.tools.tiny_cifar"):
+        assert "usage:" in _run([py, "-m", module, "--help"], empty, _env())

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from helpers import small_config, tensorboard_scalars
+from helpers import small_config, tensorboard_scalars, tensorboard_values
 from trjax.train import config as config_lib
 from trjax.train.metrics_log import read_rows
 from trjax.train import train_and_evaluate
@@ -37,12 +37,35 @@ def test_short_run_writes_step_log_tensorboard_config_and_profile(tmp_path, caps
     for r in steps:  # the stdout line carries the same values
         assert f"step {r['step']:6d}  loss {r['loss']:.4f} top1 {r['top1']:.4f}" in out
         assert r["loss_scale"] == 1.0 and r["skipped_steps"] == 0 and r["images_per_s"] > 0
-    # TensorBoard on by default (tensorboardX is installed): epoch rows and step scalars
+    # TensorBoard on by default (tensorboardX is installed): epoch rows and step scalars,
+    # grouped by quantity (loss/train, loss/val, top1/val, lr, ...)
     scalars = _tensorboard_scalars(str(tmp_path / "tensorboard"))
-    assert [st for st, _ in scalars["step/loss"]] == [4, 8, 12]
-    assert [v for _, v in scalars["step/loss"]] == pytest.approx([r["loss"] for r in steps],
-                                                                 rel=1e-6)
-    assert scalars["val_top1"] == [(12, pytest.approx(summary["val_top1"]))]
+    assert [st for st, _ in scalars["loss/train_step"]] == [4, 8, 12]
+    assert [v for _, v in scalars["loss/train_step"]] == pytest.approx(
+        [r["loss"] for r in steps], rel=1e-6)
+    assert scalars["top1/val"] == [(12, pytest.approx(summary["val_top1"]))]
+    assert scalars["loss/train"] == [(12, pytest.approx(epoch["train_loss"]))]
+    assert scalars["lr"] == [(12, pytest.approx(epoch["lr"]))]
+    assert {"loss/val", "top1/train", "top5/val", "lr/step", "throughput/images_per_s",
+            "time/epoch_s"} <= set(scalars)
+    # the resolved config as text; at the end the hparams with the final metrics
+    values = tensorboard_values(str(tmp_path / "tensorboard"))
+    (text,) = [v for _, tag, _, v in values if tag == "config/text_summary"]
+    assert '"model": "resnet8"' in text.tensor.string_val[0].decode()
+    hparams = [(os.path.basename(os.path.dirname(f)), tag, step, v) for f, tag, step, v in values
+               if tag.startswith(("_hparams_/", "hparam/"))]
+    assert {d for d, *_ in hparams} == {"hparams"}  # in tensorboard/hparams
+    assert {tag for _, tag, _, _ in hparams} == {
+        "_hparams_/experiment", "_hparams_/session_start_info", "_hparams_/session_end_info",
+        "hparam/val_top1", "hparam/val_top5", "hparam/val_loss"}
+    top1 = [(step, v.simple_value) for _, tag, step, v in hparams if tag == "hparam/val_top1"]
+    assert top1 == [(12, pytest.approx(summary["val_top1"]))]
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData
+    (start,) = [v for _, tag, _, v in hparams if tag == "_hparams_/session_start_info"]
+    given = HParamsPluginData.FromString(start.metadata.plugin_data.content).session_start_info
+    assert given.hparams["model"].string_value == "resnet8"
+    assert given.hparams["log_every_steps"].number_value == 4
+    assert given.hparams["distributed.num_processes"].number_value == 1
     # the resolved config
     saved = json.load(open(tmp_path / "config.json"))
     assert saved["log_every_steps"] == 4 and saved["model"] == "resnet8"

@@ -39,7 +39,7 @@ def test_a_crash_and_a_resume_onto_other_data_then_the_same_data(tmp_path, monke
     monkeypatch.setattr(input_pipeline, "to_device", crash_at_8)
     with pytest.raises(RuntimeError, match="simulated crash"):
         train_and_evaluate(cfg, str(tmp_path), data=data)
-    assert [s for s, _ in _scalars(tmp_path / "tensorboard")["step/loss"]] == [2, 4, 6]
+    assert [s for s, _ in _scalars(tmp_path / "tensorboard")["loss/train_step"]] == [2, 4, 6]
     monkeypatch.setattr(input_pipeline, "to_device", real)
     with monkeypatch.context() as m:
         m.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
@@ -59,9 +59,9 @@ def test_a_crash_and_a_resume_onto_other_data_then_the_same_data(tmp_path, monke
     scalars = _scalars(tmp_path / "tensorboard")
     steps = read_rows(str(tmp_path / "steps.jsonl"))
     assert [r["step"] for r in steps] == [2, 4, 6, 8, 10, 12]
-    assert scalars["step/loss"] == [(r["step"], pytest.approx(r["loss"], rel=1e-6))
+    assert scalars["loss/train_step"] == [(r["step"], pytest.approx(r["loss"], rel=1e-6))
                                     for r in steps]
-    assert [s for s, _ in scalars["val_top1"]] == [12]
+    assert [s for s, _ in scalars["top1/val"]] == [12]
 
 
 def test_data_identity_of_a_file_source_is_its_relative_listing(tmp_path):

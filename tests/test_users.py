@@ -40,6 +40,12 @@ def test_notebook_code_cells_run(tmp_path):
     out = _run(str(script))
     assert out.returncode == 0, out.stderr[-3000:]
     assert "epoch 4:" in out.stdout and "all-reduce" in out.stdout
+    # the text above the list explains every all-reduce: each operand is a gradient
+    # bucket or a sync BatchNorm layer's sums (issue 40), each bucket in one all-reduce
+    sent = [l for l in out.stdout.splitlines() if l.startswith("#") and "all-reduce" in l]
+    assert sent and not [l for l in sent if "other" in l], sent
+    for bucket in ("deep", "first"):
+        assert sum(f"gradient bucket {bucket!r}" in l for l in sent) == 1, sent
     top1 = float(out.stdout.split("epoch 4:")[1].split("val top-1")[1].split()[0])
     assert top1 > 0.8
     assert (tmp_path / "nb.png").stat().st_size > 10_000
@@ -60,8 +66,13 @@ def test_cifar_format_run_plot_and_quiet_mode(tmp_path):
     # not a terminal: no progress bar in the output
     assert "\r" not in out.stdout + out.stderr and "step/s" not in out.stderr
     # TensorBoard holds every logged scalar of metrics.jsonl, at its step, with its value
+    # (tags grouped by quantity: loss/train, top1/val, lr, ...), and the end's hparams
+    from trjax.train.loop_io import epoch_tag
     rows = [json.loads(l) for l in (work / "metrics.jsonl").read_text().splitlines()]
-    want = {(k, r["step"]): v for r in rows for k, v in r.items() if k not in ("epoch", "step")}
+    want = {(epoch_tag(k), r["step"]): v for r in rows for k, v in r.items()
+            if k not in ("epoch", "step")}
+    want.update({(f"hparam/{k}", summary["steps"]): summary[k]
+                 for k in ("val_top1", "val_top5", "val_loss")})
     got = _tensorboard_scalars(work / "tensorboard")
     assert set(got) == set(want) and len(rows) == 2
     for key, v in want.items():

@@ -35,7 +35,10 @@ several processes, the compilation cache, the ``trjax-train`` command in
 nothing else of trjax; the design never imports ``data`` or ``train``; nothing
 outside ``train`` imports it; ``parallel`` imports the design below the step (never
 ``steps``, ``data`` or ``train``) and only ``train`` imports ``parallel``
-(``tests/test_imports.py`` checks the rule).
+(``tests/test_imports.py`` checks the rule). On top of everything sit the commands
+beside ``trjax-train``: ``trjax.export`` (``trjax-export``: a run's folded evaluation
+through ``jax.export``) and ``trjax.tools`` (``trjax-plot``, ``trjax-tiny-cifar``); they
+may import any of trjax and nothing imports them.
 
 The entry point: ``from trjax.train import train_and_evaluate``.
 """

@@ -3,7 +3,7 @@
 Run:     trjax-train --config cifar10_resnet20 --workdir runs/cifar10 \
              --config.data_dir=/path/to/cifar-10-batches-py
 Reaches: about 91-92% val top-1 after 160 epochs (He et al. report 91.25%); a GPU run.
-Try it:  python scripts/make_tiny_cifar.py runs/tiny_cifar  (a tiny data set in the real format),
+Try it:  trjax-tiny-cifar runs/tiny_cifar  (a tiny data set in the real format),
          then --config.data_dir=runs/tiny_cifar --config.num_epochs=4 --config.model=resnet8
 """
 

@@ -103,7 +103,7 @@ def configure_cpu(cpu_devices: int, convolutions: str = "auto",
     """Sets the simulated CPU device count, the convolution library and host
     memory reuse.
 
-    Call it before anything touches a device (as ``scripts/train.py`` does). On
+    Call it before anything touches a device (as ``trjax-train`` does). On
     a host with an accelerator it only affects the (unused) CPU backend.
 
     Args:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from trjax.data.datasets import Dataset, Split, channel_stats
+from trjax.data.splits import Dataset, Split, channel_stats
 
 
 def _example(record, image: str, label: str, decode: Callable | None) -> tuple[np.ndarray, int]:

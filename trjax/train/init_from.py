@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
-
 import jax
 import numpy as np
 from flax import traverse_util
@@ -183,5 +181,74 @@ def apply(state, plan: LoadPlan):
     return state.replace(params=params, batch_stats=stats, opt_state=opt_state)
 
 
-def describe_source(source: Any) -> str:
-    return "a tree" if isinstance(source, dict) else repr(os.fspath(source))
+# -- torchvision's ResNets -> trjax's ----------------------------------------------------------
+
+_TV_BN = {"weight": ("params", "scale"), "bias": ("params", "bias"),
+          "running_mean": ("batch_stats", "mean"), "running_var": ("batch_stats", "var")}
+
+
+def _tv_module(parts: list[str]) -> str:
+    """torchvision's module path (``layer2.0.conv1``) -> trjax's (``stage2_block1/Conv_0``)."""
+    if parts[0] in ("conv1", "bn1"):
+        return {"conv1": "stem_conv", "bn1": "stem_bn"}[parts[0]]
+    if parts[0] == "fc":
+        return "head"
+    if parts[0].startswith("layer") and len(parts) >= 3:
+        block = f"stage{int(parts[0][5:])}_block{int(parts[1]) + 1}"
+        inner = parts[2:]
+        if inner[0] == "downsample":
+            return f"{block}/{'proj_conv' if inner[1] == '0' else 'proj_bn'}"
+        kind, n = inner[0].rstrip("0123456789"), int(inner[0][len(inner[0].rstrip('0123456789')):])
+        return f"{block}/{'Conv' if kind == 'conv' else 'BatchNorm'}_{n - 1}"
+    raise KeyError(".".join(parts))
+
+
+def from_torchvision_resnet(state_dict) -> dict:
+    """torchvision's ResNet ``state_dict`` (resnet18/34/50, any ``num_classes``)
+    as trjax's ResNet variables: ``{"params": ..., "batch_stats": ...}`` of
+    numpy arrays, for ``init_from`` (save it with :func:`save_npz`).
+
+    Names: ``conv1``/``bn1`` -> ``stem_conv``/``stem_bn``; ``layer{i}.{j}.conv{n}``
+    / ``bn{n}`` -> ``stage{i}_block{j+1}/Conv_{n-1}`` / ``BatchNorm_{n-1}``;
+    ``downsample.0``/``.1`` -> ``proj_conv``/``proj_bn``; ``fc`` -> ``head``.
+    Layouts: a conv weight ``[O, I, kh, kw]`` becomes a kernel ``[kh, kw, I, O]``,
+    ``fc.weight [K, F]`` a kernel ``[F, K]``; BatchNorm ``weight``/``bias`` the
+    ``scale``/``bias`` parameters, ``running_mean``/``running_var`` the
+    statistics (``num_batches_tracked`` is dropped). trjax's ImageNet ResNets
+    have torchvision's padding (stem 3, max-pool 1) and strides (v1.5: the 3x3
+    of a bottleneck), so the logits agree on the same normalised input.
+
+    Raises:
+      ValueError: a key that is not a torchvision ResNet's (names it).
+    """
+    out = {"params": {}, "batch_stats": {}}
+    for key, value in state_dict.items():
+        parts = key.split(".")
+        if parts[-1] == "num_batches_tracked":
+            continue
+        try:
+            module = _tv_module(parts[:-1])
+        except (KeyError, ValueError, IndexError):
+            raise ValueError(f"{key!r} is not a torchvision ResNet state_dict key (conv1, bn1, "
+                             "layer{i}.{j}.conv{n}/bn{n}/downsample, fc)") from None
+        v = np.asarray(value.detach().cpu().numpy() if hasattr(value, "detach") else value)
+        if parts[-1] == "weight" and v.ndim == 4:
+            out["params"][f"{module}/kernel"] = v.transpose(2, 3, 1, 0)
+        elif parts[-1] == "weight" and module == "head":
+            out["params"]["head/kernel"] = v.T
+        elif module == "head":
+            out["params"]["head/bias"] = v
+        else:
+            collection, name = _TV_BN[parts[-1]]
+            out[collection][f"{module}/{name}"] = v
+    return {c: traverse_util.unflatten_dict(d, sep="/") for c, d in out.items()}
+
+
+def save_npz(path, variables: dict) -> str:
+    """Writes ``{"params", "batch_stats"}`` as a ``.npz`` of ``/``-joined paths
+    (what ``init_from`` reads). Returns the path."""
+    flat = {f"{c}/{k}": np.asarray(v) for c in COLLECTIONS
+            for k, v in _flat(variables.get(c) or {}).items()}
+    np.savez(path, **flat)
+    return os.fspath(path)
+

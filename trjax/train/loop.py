@@ -140,9 +140,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         distributed.check_agree({"initial params checksum": distributed.tree_checksum(
             tr.state.params)})
         run = Run(config, workdir, tr, compiles, expect, say, seconds)
-        run.restore()
-        run.train()
-        return run.state, run.summary(cache, t_start)
+        try:
+            run.restore()
+            run.train()
+            return run.state, run.summary(cache, t_start)
+        finally:
+            run.close_tensorboard()  # after the summary's hparams, or on any error
 
 
 def check_workdir(config, workdir: str, tr: Trainer, expect: dict) -> bool:
@@ -222,6 +225,7 @@ class Run:
         self.seconds["evaluate"] = 0.0
         self.skipped: set = set()
         self.halted, self.stop_signal, self.val = False, None, None
+        self.tb = None  # the TensorBoard writer (process 0, config.tensorboard): _open_logs
         self.start_epoch, self.start_batch, self.meta = 1, 0, {}
 
     # -- resume --------------------------------------------------------------
@@ -340,9 +344,8 @@ class Run:
                         break
             finally:
                 self.profiler.close()
-                for log in (self.step_log, self.tb):
-                    if log is not None:
-                        log.close()
+                if self.step_log is not None:  # TensorBoard stays open for the summary's
+                    self.step_log.close()         # hparams (close_tensorboard)
         if self.stop_signal:
             raise stops.Preempted(int(host_value(self.state.step)), self.stop_signal.split()[0])
 
@@ -463,4 +466,12 @@ class Run:
             with open(tmp, "w") as f:
                 json.dump(summary, f, indent=2)
             os.replace(tmp, os.path.join(self.workdir, "summary.json"))
+        if self.tb is not None:  # the config as hparams with the final metrics
+            loop_io.tensorboard_run_end(self.tb, config, summary)
         return summary
+
+    def close_tensorboard(self) -> None:
+        """Closes the TensorBoard writer (its events flushed), if one is open."""
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None

@@ -9,6 +9,10 @@
 * :func:`save_config` -- ``WORKDIR/config.json``: the resolved config; on
   resume the saved one is compared and a difference outside
   :data:`RESUME_MAY_CHANGE` is an error naming every differing key.
+* :func:`open_tensorboard`, :func:`tensorboard_step_row`, :func:`tensorboard_epoch_row`,
+  :func:`tensorboard_run_end` -- ``WORKDIR/tensorboard``: scalars grouped by
+  quantity (``loss/train``, ``loss/val``, ``top1/val``, ``lr``, ...), the config as
+  text, at the end the hparams with the final metrics.
 * :class:`Profiler` -- ``profile_steps="A:B"``: a ``jax.profiler`` trace of
   steps A..B into ``WORKDIR/profile``.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import sys
 import time
 from typing import Callable
@@ -90,20 +95,86 @@ def save_config(config, workdir: str, resuming: bool, write: bool = True) -> lis
 
 
 STEP_SCALARS = ("loss", "top1", "images_per_s", "lr", "loss_scale", "skipped_steps")
-"""The step-log row's values written to TensorBoard (as ``step/<name>``)."""
+"""The step-log row's values written to TensorBoard (under :func:`step_tag`)."""
+
+STEP_TAGS = {"loss": "loss/train_step", "top1": "top1/train_step", "lr": "lr/step",
+             "images_per_s": "throughput/images_per_s_step", "loss_scale": "loss_scale/step",
+             "skipped_steps": "skipped_steps/step"}
+"""TensorBoard tag of each step-log value: grouped by quantity (the part before ``/``),
+beside the epoch rows' (:func:`epoch_tag`)."""
+
+EPOCH_TAGS = {"lr": "lr", "images_per_s": "throughput/images_per_s", "epoch_s": "time/epoch_s"}
+"""TensorBoard tags of the epoch row's values that are not a split's metric."""
+
+
+def epoch_tag(key: str) -> str:
+    """The TensorBoard tag of an epoch row's (``metrics.jsonl``) value: a split's
+    metric is grouped by the metric, ``train_loss`` -> ``loss/train``, ``val_top1``
+    -> ``top1/val``, ``val_ema_top5`` -> ``top5/val_ema``; ``lr`` -> ``lr``,
+    ``images_per_s`` -> ``throughput/images_per_s``, ``epoch_s`` -> ``time/epoch_s``;
+    any other key is its own tag."""
+    if key in EPOCH_TAGS:
+        return EPOCH_TAGS[key]
+    for split in ("val_ema", "train", "val"):
+        if key.startswith(split + "_") and len(key) > len(split) + 1:
+            return f"{key[len(split) + 1:]}/{split}"
+    return key
+
+
+def step_tag(key: str) -> str:
+    """The TensorBoard tag of a step-log value (:data:`STEP_TAGS`; e.g. ``loss`` ->
+    ``loss/train_step``, ``lr`` -> ``lr/step``)."""
+    return STEP_TAGS.get(key, f"{key}/step")
 
 
 def tensorboard_step_row(tb, row: dict) -> None:
-    """A step-log row (``steps.jsonl``) as TensorBoard scalars ``step/<name>``."""
+    """A step-log row (``steps.jsonl``) as TensorBoard scalars (:func:`step_tag`)."""
     for k in STEP_SCALARS:
-        tb.add_scalar(f"step/{k}", row[k], row["step"])
+        tb.add_scalar(step_tag(k), row[k], row["step"])
 
 
 def tensorboard_epoch_row(tb, row: dict) -> None:
-    """An epoch row (``metrics.jsonl``) as TensorBoard scalars, then a flush."""
+    """An epoch row (``metrics.jsonl``) as TensorBoard scalars (:func:`epoch_tag`), then a flush."""
     for k, v in row.items():
         if k not in ("epoch", "step"):
-            tb.add_scalar(k, v, row["step"])
+            tb.add_scalar(epoch_tag(k), v, row["step"])
+    tb.flush()
+
+
+HPARAMS_RUN = "hparams"
+"""The folder under ``WORKDIR/tensorboard`` that :func:`tensorboard_run_end`'s hparams go to."""
+
+HPARAM_METRICS = ("val_top1", "val_top5", "val_loss", "val_ema_top1", "val_ema_top5",
+                  "val_ema_loss")
+"""The summary's values the hparams carry as metrics (as ``hparam/<name>``; those present)."""
+
+
+def config_text(config) -> str:
+    """The resolved config as TensorBoard text: its ``config.json`` (sorted JSON),
+    indented 4 spaces (a Markdown code block)."""
+    text = json.dumps(json.loads(json.dumps(config.to_dict(), default=str)), indent=2,
+                      sort_keys=True)
+    return "\n".join("    " + line for line in text.splitlines())
+
+
+def hparams_of(config) -> dict:
+    """The config as TensorBoard hparams: every key, flattened with dots
+    (``distributed.num_processes``); bools, ints, floats and strings as they are,
+    ``None`` left out, anything else (lists, tuples) as its JSON text."""
+    flat = _flat(json.loads(json.dumps(config.to_dict(), default=str)))
+    return {k: v if isinstance(v, (bool, int, float, str)) else json.dumps(v)
+            for k, v in sorted(flat.items()) if v is not None}
+
+
+def tensorboard_run_end(tb, config, summary: dict) -> None:
+    """At the end of a run: the config as hparams with the final metrics
+    (tensorboardX ``add_hparams``: ``hparam/val_top1``, ``hparam/val_top5``,
+    ``hparam/val_loss``, and the EMA's when evaluated) at the run's last step,
+    into ``WORKDIR/tensorboard/hparams``, for TensorBoard's HParams dashboard."""
+    metrics = {f"hparam/{k}": float(summary[k]) for k in HPARAM_METRICS
+               if summary.get(k) is not None}
+    tb.add_hparams(hparams_of(config), metrics, name=HPARAMS_RUN,
+                   global_step=int(summary["steps"]))
     tb.flush()
 
 
@@ -115,8 +186,11 @@ def open_tensorboard(config, workdir: str, say, resume: bool = False):
     on ``resume`` the folder's event files are replaced by one rebuilt from
     ``metrics.jsonl`` and ``steps.jsonl`` (already cut back to the restored
     step: :class:`trjax.train.metrics_log.MetricsWriter`): every log shows each
-    step once, as an uninterrupted run's would. Call it after those files are
-    opened for the resumed run."""
+    step once, as an uninterrupted run's would (and a former end's hparams are
+    removed). The resolved config is written as text (tag ``config``, step 0);
+    scalars are grouped by quantity (:func:`epoch_tag`, :func:`step_tag`); the
+    hparams come at the run's end (:func:`tensorboard_run_end`). Call it after
+    those files are opened for the resumed run."""
     if not config.tensorboard or jax.process_index() != 0:
         return None
     try:
@@ -129,7 +203,10 @@ def open_tensorboard(config, workdir: str, say, resume: bool = False):
         for name in os.listdir(folder):
             if name.startswith("events.out.tfevents"):
                 os.remove(os.path.join(folder, name))
+        # a former end's hparams (a halted run's): the resumed run writes its own at its end
+        shutil.rmtree(os.path.join(folder, HPARAMS_RUN), ignore_errors=True)
     tb = summary_writer(folder)
+    tb.add_text("config", config_text(config), 0)
     for name, write in (("steps.jsonl", tensorboard_step_row),
                         ("metrics.jsonl", tensorboard_epoch_row)):
         path = os.path.join(workdir, name)

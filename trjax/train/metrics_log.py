@@ -1,6 +1,6 @@
 """``metrics.jsonl``: one JSON object per line, written so that a crash cannot corrupt it.
 
-* :func:`read_rows` -- every reader's way in (``scripts/plot.py``, notebooks,
+* :func:`read_rows` -- every reader's way in (``trjax-plot``, notebooks,
   tests): a line that is not a complete JSON object (a crash cut it off, or
   someone edited the file) is skipped with a warning naming the line number,
   never an exception.

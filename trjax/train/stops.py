@@ -1,6 +1,6 @@
 """How a run stops early: exit codes, preemption signals, and the agreed stop step.
 
-* Exit codes of ``scripts/train.py`` (documented in docs/checkpoints.md):
+* Exit codes of ``trjax-train`` (and ``scripts/train.py``; documented in docs/checkpoints.md):
   :data:`EXIT_ERROR` (bad input, an incompatible checkpoint or config, a busy
   workdir), :data:`EXIT_PEER_LOST` (a peer process died or hangs: a
   collective failed, a peer's heartbeat stopped, or no step finished for
