@@ -175,6 +175,8 @@ def test_torchvision_resnet_logits_equal_trjax_after_conversion(name, tmp_path):
     assert not plan.missing and not plan.reinitialised and not plan.unused
     variables = {c: _unflat(plan.values[c]) for c in ("params", "batch_stats")}
     got = np.asarray(model.apply(variables, x.transpose(0, 2, 3, 1), train=False))
+    print(f"{name}: max |trjax - torch| {np.abs(got - want).max():.3g}, max |logit| "
+          f"{np.abs(want).max():.3g}")
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
