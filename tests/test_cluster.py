@@ -130,11 +130,11 @@ time.sleep(120)
 
 
 def _free(workdir) -> bool:
-    """Whether nobody holds the workdir's lock (taken and given back here) and its note
-    is cleared."""
+    """Whether nobody holds the workdir's lock (taken and given back here) and the
+    release removed the lock file."""
     with WorkdirLock(str(workdir)) as lock:
         assert lock.held
-    return (workdir / LOCK_NAME).read_bytes() == b""
+    return not (workdir / LOCK_NAME).exists()
 
 
 def _start_holder(workdir, *prefix):
@@ -226,11 +226,68 @@ def test_a_lock_file_nobody_holds_is_taken_whatever_it_says(tmp_path, content):
     path.write_text(content)
     with WorkdirLock(str(tmp_path), log=pytest.fail) as lock:
         assert lock.held and json.loads(path.read_text())["pid"] == os.getpid()
-    assert path.read_bytes() == b""  # the file stays: removing it could let two runs lock two
+    assert not path.exists()  # removed by its holder, while still locked
     fresh = tmp_path / "new"  # a new workdir is made
     with WorkdirLock(str(fresh)):
-        assert fresh.is_dir()
-    assert os.listdir(fresh) == [LOCK_NAME]
+        assert fresh.is_dir() and os.listdir(fresh) == [LOCK_NAME]
+    assert not fresh.exists()  # made by the lock and left empty: removed with it
+    with WorkdirLock(str(fresh)):
+        (fresh / "metrics.jsonl").write_text("{}\n")
+    assert os.listdir(fresh) == ["metrics.jsonl"]  # something written: the folder stays
+
+
+def test_a_failed_start_leaves_no_lock_file(tmp_path, monkeypatch):
+    """A start refused before compiling (here: a model path that does not import) leaves
+    neither a lock file nor, in a workdir it made, the folder; in a workdir that exists,
+    what was there."""
+    from helpers import small_config
+    from trjax import aot
+    from trjax.train import train_and_evaluate
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    bad = small_config(model="no_such_package_trjax.nets:Net")
+    fresh = tmp_path / "runs" / "new"
+    with pytest.raises(ValueError, match="no_such_package_trjax"):
+        train_and_evaluate(bad, str(fresh))
+    assert not fresh.exists() and os.listdir(tmp_path / "runs") == []
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="no_such_package_trjax"):
+        train_and_evaluate(bad, str(old))
+    assert os.listdir(old) == ["notes.txt"]
+    assert _free(old)  # and nobody holds it
+
+
+def test_a_lock_file_removed_by_its_releasing_holder_is_not_held(tmp_path):
+    """The race that removing the file opens: a run opens the lock file, its holder
+    releases (removing it), the run locks the removed file. It must see that the path no
+    longer names its file and lock the path again, else a third run would lock a new
+    file beside it."""
+    path = tmp_path / LOCK_NAME
+    holder = os.open(path, os.O_RDWR | os.O_CREAT)  # another process's holder, as WorkdirLock
+    fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)  # holds and releases it
+    real_flock, calls = fcntl.flock, []
+
+    def flock_after_release(fd, op):  # the holder releases between our open and our flock
+        if not calls:
+            os.unlink(path)
+            os.close(holder)
+        calls.append(os.fstat(fd).st_ino)
+        return real_flock(fd, op)
+
+    fcntl.flock = flock_after_release
+    try:
+        lock = WorkdirLock(str(tmp_path), log=pytest.fail).acquire()
+    finally:
+        fcntl.flock = real_flock
+    assert len(calls) == 2 and calls[1] == os.stat(path).st_ino  # the removed file, then
+    assert json.loads(path.read_text())["pid"] == os.getpid()   # the one the path names
+    fd = os.open(tmp_path / LOCK_NAME, os.O_RDWR)
+    with pytest.raises(BlockingIOError):  # the file at the path is the one held
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    os.close(fd)
+    lock.release()
+    assert _free(tmp_path)
 
 
 @pytest.mark.parametrize("note", ["", "garbage{{"])

@@ -1,6 +1,6 @@
 """trjax.comm's mesh-axis attribution: device groups parsed from the compiled HLO text,
-axis_of / by_axis on 2-D meshes, loop trip counts, and the byte models of the notes
-(model-parallel.md 3.7).
+axis_of / by_axis on 2-D meshes, loop trip counts, and the byte models (trjax.comm's
+pipeline_bytes, tensor_bytes, data_bytes: GPipe, Megatron, the ring all-reduce).
 
 The small programs run on 4 of the 8 simulated CPU devices (tests/conftest.py); the
 expected axes, trip counts and bytes are written out by hand. What XLA:CPU prints on jax
@@ -177,7 +177,7 @@ ENTRY %main (x: (s32[], f32[8])) -> (s32[], f32[8]) {
 
 
 def test_byte_models():
-    # the notes' RN50@224 boundary after stage 3: 14x14x1024 f32 = 784 KiB per image, so
+    # ResNet-50 at 224, the boundary after stage 3: 14x14x1024 f32 = 784 KiB per image, so
     # 24.5 MiB per micro-batch of 32 per direction
     assert 14 * 14 * 1024 * 4 == 784 * 1024
     assert comm.pipeline_bytes(1, 32, [(14, 14, 1024)], 4) == 2 * 24.5 * 2 ** 20

@@ -109,6 +109,56 @@ def test_a_damaged_cache_entry_is_written_again_and_counted(tmp_path):
     assert (third["hits"], third["misses"], third["damaged"]) == (1, 0, 0), err[-2000:]
 
 
+BEFORE_CONFIGURE = """
+import json, sys
+import jax, jax.numpy as jnp, numpy as np
+from trjax.train import compilation
+# jax's own small programs, built before configure_cache and outside any CompileLog, on
+# the cache jax opened from its environment (JAX_COMPILATION_CACHE_DIR)
+jax.random.key(0)                                                        # jit(_threefry_seed)
+jax.jit(lambda v: jnp.cos(v) - 2.0).lower(np.arange(5, dtype=np.float32)).compile()
+assert compilation.configure_cache(True, "")["source"] == "jax"
+with compilation.CompileLog() as log:
+    jax.jit(lambda v: jnp.sin(v) * 3.0 + 1.0).lower(np.arange(7, dtype=np.float32)).compile()
+print(json.dumps(log.cache_summary()))
+"""
+
+
+@pytest.mark.job
+def test_every_damaged_entry_is_rewritten_also_those_built_before_the_log(tmp_path):
+    """Issue 40: the repair covered only the programs built after configure_cache (those
+    summary.json counts); the entries of jax's small programs built before it (the PRNG
+    seed's, ...) stayed damaged, so every later start warned and compiled them again.
+    Three fresh processes on one cache: fill, repair, and the third reads every entry."""
+    cache = tmp_path / "xla"
+    root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+    env = dict(os.environ, PYTHONPATH=root, JAX_COMPILATION_CACHE_DIR=str(cache),
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
+
+    def run():
+        out = subprocess.run([sys.executable, "-c", BEFORE_CONFIGURE], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return json.loads(out.stdout.splitlines()[-1]), out.stderr
+
+    first, _ = run()
+    entries = sorted(p for p in cache.iterdir() if p.name.endswith("-cache"))
+    assert any(p.name.startswith("jit__threefry_seed") for p in entries), entries
+    assert len(entries) >= 3 and (first["misses"], first["writes"]) == (1, 1)
+    sizes = {}
+    for p in entries:  # every entry truncated, as by a process killed while writing
+        whole = p.read_bytes()
+        p.write_bytes(whole[:len(whole) // 2])
+        sizes[p.name] = len(whole) // 2
+    second, err = run()
+    assert "Error reading persistent compilation cache entry for 'jit__threefry_seed'" in err
+    assert second["damaged"] == 1  # the log counts the repairs made while it is open
+    assert all(p.stat().st_size > sizes[p.name] for p in entries)  # every one written again
+    third, err = run()
+    assert "Error reading persistent compilation cache entry" not in err, err[-2000:]
+    assert (third["hits"], third["misses"], third["damaged"]) == (1, 0, 0)
+
+
 def test_configure_cache_rejects_bad_values():
     with pytest.raises(ValueError, match="compilation_cache='yes' must be True or False"):
         compilation.configure_cache("yes")

@@ -10,6 +10,8 @@ import pytest
 
 from helpers import max_rel, random_batch, small_config, to_host
 from trjax import aot, comm, compression, exchange, models, optim, parallel, steps
+from trjax import plan as plan_lib
+from trjax.metrics import METRICS
 from trjax.objective import StepOptions
 from trjax.plan import build_plan
 from trjax.state import create_train_state
@@ -136,6 +138,25 @@ def test_shard_optimizer_state_equals_replicated_optimizer_and_shards_it():
         for i in range(3):  # momentum history matters
             st, m = step(st, jax.device_put(random_batch(32, seed=20 + i), world.sharded()))
         results[sharded] = (to_host(st.params), np.asarray(m), step)
+        if sharded:  # issue 40: the optimizer sees gradient elements only; the metric
+            # sums' slot and the padding of each bucket keep a momentum of exactly 0
+            layout = plan_lib.shard_layout(plan, world.world_size)
+            momenta = [(path[-1].key, np.asarray(leaf)) for path, leaf in
+                       jax.tree_util.tree_flatten_with_path(st.opt_state)[0]
+                       if isinstance(path[-1], jax.tree_util.DictKey)
+                       and path[-1].key in layout and np.ndim(leaf) == 1]
+            assert sorted(b for b, _ in momenta) == sorted(layout)
+            mb, mo = plan.metrics_slot
+            for b, mom in momenta:
+                not_grad = np.ones(layout[b][0], bool)
+                for slot in plan.slots:
+                    if slot.bucket == b:
+                        not_grad[slot.offset:slot.offset + slot.size] = False
+                assert not_grad[plan.bucket_elements[b]:].all()  # the padding
+                assert not_grad.sum() == layout[b][0] - plan.bucket_elements[b] + \
+                    (len(METRICS) if b == mb else 0)  # and the metric sums
+                assert np.all(mom[not_grad] == 0), (b, mom[not_grad])
+                assert np.any(mom[~not_grad] != 0)
     assert max_rel(results[True][0], start) > 1e-4  # the third step moved them
     assert max_rel(results[True][0], results[False][0]) <= 1e-5
     np.testing.assert_allclose(results[True][1], results[False][1], rtol=1e-5)

@@ -100,6 +100,24 @@ def test_dry_run_writes_every_figure(script_dry_runs):
         assert kind in r["collectives_by_axis"], r["collectives_by_axis"]
 
 
+def test_the_docs_list_every_part_in_order():
+    """docs/gpu.md and the script's docstring name each part of PARTS, numbered, in order
+    (issue 40: the docs had listed five parts of nine)."""
+    import importlib.util
+    import re
+    spec = importlib.util.spec_from_file_location("gpu_check_doc", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    names = [n for n, _ in mod.PARTS]
+    assert list(mod.PART_FUNCTIONS) == names
+    doc = open(os.path.join(ROOT, "docs", "gpu.md")).read()
+    section = doc.split("## `scripts/gpu_check.py`")[1].split("How to read the output")[0]
+    listed = re.findall(r"^(\d+)\. `(\w+)`", section, re.M)
+    assert listed == [(str(i), n) for i, n in enumerate(names, 1)]
+    assert f"{['Zero', 'One', 'Two', 'Three', 'Four', 'Five', 'Six', 'Seven', 'Eight', 'Nine', 'Ten'][len(names)]} parts" in section
+    assert re.findall(r"^(\d+)\. ``(\w+)``", mod.__doc__, re.M) == listed
+
+
 def test_without_a_gpu_the_check_fails_and_says_why(tmp_path):
     out = subprocess.run([sys.executable, SCRIPT, str(tmp_path), "--parts", "devices"],
                          capture_output=True, text=True, timeout=300, env=_env(), cwd=ROOT)

@@ -117,9 +117,10 @@ def test_balanced_split():
 
 
 def test_plan_stages_resnet20_and_resnet50():
-    """ResNet-20 on 32x32: 3 stages = its 3 ResNet stages (the notes' 1.1/34.7/32.1/32.1 %:
-    stem + stage 1 = 35.8 %); ResNet-50 at 224 in 4 stages is balanced by blocks, not by
-    ResNet stage (max/mean 1.13 against the 4-ResNet-stage split's 1.43)."""
+    """ResNet-20 on 32x32: 3 stages = its 3 ResNet stages (MAC shares of the stem and
+    stages 1-3: 1.1/34.7/32.1/32.1 %, stem + stage 1 = 35.8 %); ResNet-50 at 224 in 4
+    stages is balanced by blocks, not by ResNet stage (max/mean 1.13 against the
+    4-ResNet-stage split's 1.43)."""
     plan = pipeline.plan_stages(models.create_model("resnet20"), (32, 32, 3), 3)
     assert plan.bounds == ((0, 3), (3, 6), (6, 9))
     np.testing.assert_allclose(plan.shares, [0.358, 0.321, 0.321], atol=2e-3)
@@ -129,7 +130,7 @@ def test_plan_stages_resnet20_and_resnet50():
     balanced = pipeline.plan_stages(r50, (224, 224, 3), 4)
     by_stage = pipeline.plan_stages(r50, (224, 224, 3), 4,
                                     starts=["stage2_block1", "stage3_block1", "stage4_block1"])
-    # the notes' RN50 shares (stem+s1, s2, s3, s4+head) and its 4.09 GMACs per image
+    # RN50's MAC shares by ResNet stage (stem+s1, s2, s3, s4+head) and its 4.09 GMACs per image
     np.testing.assert_allclose(by_stage.shares, [0.192, 0.251, 0.358, 0.198], atol=1e-3)
     assert abs(sum(by_stage.macs) / 4.09e9 - 1) < 1e-3
     assert balanced.imbalance < 1.14 < 1.4 < by_stage.imbalance

@@ -11,7 +11,9 @@ MemoryPlan's buffer sizes.
 span, :func:`trip_counts` gives how often each loop body runs, and
 :func:`by_axis` totals the issued collectives and bytes per axis; the byte
 models :func:`pipeline_bytes`, :func:`tensor_bytes` and :func:`data_bytes`
-are the design notes' (model-parallel.md 3.7) for comparison.
+(GPipe's, Huang et al. 2019, arXiv:1811.06965; Megatron's, Shoeybi et al.
+2019, arXiv:1909.08053; the ring all-reduce's, below) are there to compare
+with (docs/parallelism.md).
 
 The traffic model is the ring all-reduce's: each rank sends (and receives)
 ``2 (N-1) / N * |g|`` bytes for a buffer of ``|g|`` bytes over N ranks
@@ -448,7 +450,7 @@ def by_axis(collectives: list[dict], mesh) -> dict:
     return out
 
 
-# -- byte models (notes/model-parallel.md 3.7) -------------------------------------------------
+# -- byte models (GPipe, Megatron, ring all-reduce) -------------------------------------------------
 
 
 def pipeline_bytes(num_microbatches: int, micro_batch: int, boundary_shapes, itemsize: int) -> int:
@@ -456,8 +458,8 @@ def pipeline_bytes(num_microbatches: int, micro_batch: int, boundary_shapes, ite
 
     ``sum_b 2 * M * mu * |a_b| * itemsize``: at each stage boundary b each of M
     micro-batches of ``mu`` rows sends its activation forward and its cotangent
-    backward, one sender per pair, so no ring factor (GPipe, Huang et al. 2019;
-    the notes 3.7).
+    backward, one sender per pair, so no ring factor (GPipe, Huang et al. 2019,
+    arXiv:1811.06965).
 
     Args:
       num_microbatches: M.

@@ -364,9 +364,12 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
         only on that element's gradient, parameter and state (momentum SGD,
         AdamW; not a global norm, LARS's per-layer trust ratio, or anything
         that reads a leaf's shape: here a "leaf" is a device's flat 1/N
-        slice of a bucket, metric sums and padding included, and a
-        non-elementwise transformation would silently compute per-shard
-        values that differ between replicas).
+        slice of a bucket, and a non-elementwise transformation would
+        silently compute per-shard values that differ between replicas).
+        The slice's elements that are no gradient (the metric sums' slot
+        and the padding to a multiple of N) reach it as gradient 0 on
+        parameter 0 with no decay: an elementwise optimizer keeps their
+        state at 0 and updates them by 0, and the all-gather drops them.
       clip_norm: > 0: the mean gradient is clipped to this global norm
         before ``make_tx``'s optimizer, with ``optax.clip_by_global_norm``'s
         formula; the norm is of every gradient element of every shard (one
@@ -418,12 +421,14 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
         pflat = plan.pack(params, jnp.zeros(len(METRICS)))
         mine = {b: lax.dynamic_slice_in_dim(jnp.pad(pflat[b], (0, layout[b][0] - pflat[b].shape[0])),
                                             rank * shard[b], shard[b]) for b in shards}
-        grads = {b: g * inv_count for b, g in shards.items()}
+        # the optimizer gets gradient elements only: the metric sums and the padding in a
+        # shard are not gradients, so they enter it as 0 (their state stays 0, no update)
+        mask = {b: lax.dynamic_slice_in_dim(jnp.asarray(is_grad[b]), rank * shard[b],
+                                            shard[b]) for b in shards}
+        grads = {b: jnp.where(mask[b] > 0, g * inv_count, 0.0) for b, g in shards.items()}
         if clip_norm > 0:
-            mask = {b: lax.dynamic_slice_in_dim(jnp.asarray(is_grad[b]), rank * shard[b],
-                                                shard[b]) for b in grads}
-            norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g * mask[b]))
-                                         for b, g in grads.items()), axis_name))
+            norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()),
+                                     axis_name))
             grads = _clip_like_optax(grads, norm, clip_norm)
         updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, mine,
                                                                       step=step)

@@ -32,10 +32,16 @@ truncated file. jax reads it, fails to decompress or load it, warns ("Error
 reading persistent compilation cache entry"), compiles, and asks the cache to
 store the result; the file cache skips a store whose file exists, so the
 damaged entry would stay and every later start would compile again.
-:func:`configure_cache` wraps jax's cache so that such a store (the same key,
-after a read that returned bytes, on the same thread) first removes the
-file: jax writes it anew, and the repair is counted (``damaged``). Only the
-process that writes entries (process 0) repairs them.
+trjax wraps jax's cache so that such a store (the same key, after a read
+that returned bytes, on the same thread) first removes the file: jax writes
+it anew, and the repair is counted (``damaged``) by an open
+:class:`CompileLog`. The wrapping is installed when this module is imported
+(every file cache jax opens from then on, also after ``reset_cache``, is
+wrapped) and again by :func:`configure_cache` (a cache jax opened before):
+so every program's entry is repaired, also those of jax's own small programs
+built before :func:`configure_cache` runs or outside any log (the PRNG
+seed's ``jit(_threefry_seed)``, ``jit(stage)``). Only the process that
+writes entries (process 0) repairs them.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 import re
 import threading
@@ -194,19 +201,55 @@ class _RepairingCache(_CacheInterface):
         self._base.put(key, value)
 
 
+def _install_repairing_file_cache() -> bool:
+    """Makes every file cache jax opens from now on a :class:`_RepairingCache`
+    (jax's ``_initialize_cache`` opens it through ``get_file_cache``, at the
+    first compile that uses the cache and again after each ``reset_cache``).
+    Returns whether it is installed (jax's internals as expected)."""
+    if _jax_cc is None or not callable(getattr(_jax_cc, "get_file_cache", None)):
+        return False
+    opener = _jax_cc.get_file_cache
+    if getattr(opener, "_trjax_repairing", False):
+        return True
+
+    @functools.wraps(opener)
+    def get_file_cache(path):
+        made = opener(path)
+        if made is None:
+            return None
+        cache, where = made
+        if not isinstance(cache, _RepairingCache) and hasattr(cache, "_path"):
+            cache = _RepairingCache(cache)
+        return cache, where
+
+    get_file_cache._trjax_repairing = True
+    _jax_cc.get_file_cache = get_file_cache
+    _wrap_open_cache()  # one jax opened before this module was imported
+    return True
+
+
+def _wrap_open_cache() -> None:
+    """Wraps the file cache jax has open in this process, if any and not yet."""
+    base = getattr(_jax_cc, "_cache", None)
+    if base is not None and not isinstance(base, _RepairingCache) and \
+            hasattr(base, "_path"):
+        _jax_cc._cache = _RepairingCache(base)
+
+
 def _repair_damaged_entries() -> None:
     """Wraps jax's persistent cache of this process (made now if not yet) in
     :class:`_RepairingCache`; nothing without jax's internals or a cache."""
     if _jax_cc is None or not hasattr(_jax_cc, "_initialize_cache"):
         return
+    _install_repairing_file_cache()
     try:
         _jax_cc._initialize_cache()  # once per reset_cache: jax's own file cache
     except OSError:
         return  # jax opens it again at the first compile and warns there
-    base = getattr(_jax_cc, "_cache", None)
-    if base is not None and not isinstance(base, _RepairingCache) and \
-            hasattr(base, "_path"):
-        _jax_cc._cache = _RepairingCache(base)
+    _wrap_open_cache()
+
+
+_install_repairing_file_cache()  # before any compile of a process that imports trjax.train
 
 
 def program_id(name: str) -> str:

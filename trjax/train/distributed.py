@@ -558,11 +558,6 @@ def _client():
         return None
 
 
-def peer_monitor() -> PeerMonitor | None:
-    """The running :class:`PeerMonitor` of this process, or None."""
-    return _MONITOR
-
-
 def start_peer_monitor(stale_s: float, exit_code: int = EXIT_PEER_LOST) -> PeerMonitor | None:
     """Starts this process's :class:`PeerMonitor` once ``jax.distributed`` runs
     with several processes (None otherwise, or when one already runs: that one

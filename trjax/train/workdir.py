@@ -8,8 +8,14 @@
   (containers, ``unshare --pid``) see each other's lock. While held, the file
   holds a note (host, pid, start time, command) that names the holder in the
   second run's :class:`WorkdirBusy`; its pid is one of the holder's PID
-  namespace. The file stays, empty, after the run: removing a lock file that
-  another process may have open would let two runs lock two files.
+  namespace. The holder removes the file when it gives the lock back (before
+  it closes it, so still holding the lock), and a workdir the lock itself
+  created is removed too when nothing else was written into it: a start that
+  fails (a config refused before compiling) leaves no trace. A run that
+  locked a file removed meanwhile (it opened the path just before the holder
+  removed it) sees that the path no longer names its file and opens the path
+  again, so two runs never hold two files. A killed holder cannot remove it:
+  its note stays, and the next run takes the lock and replaces the note.
 * :func:`holds_workdir` -- decorator: process 0 of a run holds the lock while
   the wrapped ``fn(config, workdir, ...)`` runs.
 
@@ -26,8 +32,9 @@ is mandatory there, so the second run may not read the note). On some FUSE
 mounts a lock is local to one machine. A local-only lock still refuses a
 second run on the same machine, not one on another client. A file system
 that refuses ``flock`` (ENOLCK, ENOSYS, EOPNOTSUPP) runs unlocked, with a
-message. A forked child shares the lock: it ends with the last process that
-has the file open.
+message. A forked child shares the lock while the holder lives; a holder that
+is killed leaves it to the last such child, one that releases it removes the
+file, and the next run locks a new one.
 """
 
 from __future__ import annotations
@@ -108,6 +115,15 @@ def _read_note(path: str) -> dict | str:
     return why
 
 
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open as ``fd`` (not removed, not replaced)."""
+    try:
+        st, now = os.fstat(fd), os.stat(path)
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == (now.st_dev, now.st_ino)
+
+
 def _busy(workdir: str, path: str) -> WorkdirBusy:
     note = _read_note(path)
     if isinstance(note, str):
@@ -135,6 +151,7 @@ class WorkdirLock:
         self.held = False
         self._fd: int | None = None
         self._key = ""
+        self._made_workdir = False  # acquire created the folder: release removes it if empty
 
     def acquire(self) -> "WorkdirLock":
         """Takes the lock (creating the workdir if needed).
@@ -145,26 +162,43 @@ class WorkdirLock:
             note cannot be read), and what to do.
           WorkdirError: the workdir or its lock file cannot be created or opened.
         """
-        try:
-            os.makedirs(self.workdir, exist_ok=True)
-            key = os.path.realpath(self.path)
-            if key in _HELD:  # this process holds it already
-                self.held = True
-                return self
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as e:  # a file where the folder should be, no permission, ...
-            raise _unusable(self.workdir, e) from e
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise _busy(self.workdir, self.path) from None
-        except OSError as e:
-            if e.errno not in _NO_LOCKS:
-                os.close(fd)
+        for attempt in range(100):  # again when a holder removed the file (or folder) meanwhile
+            try:
+                made = not os.path.isdir(self.workdir)
+                os.makedirs(self.workdir, exist_ok=True)
+                key = os.path.realpath(self.path)
+                if key in _HELD:  # this process holds it already
+                    self.held = True
+                    return self
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            except FileNotFoundError as e:  # a holder removed the empty folder it had made
+                if attempt < 99:
+                    continue
                 raise _unusable(self.workdir, e) from e
-            self.log(f"trjax: {self.path} cannot be locked on this file system ({e.strerror}): "
-                     "running without the one-run-per-workdir check")
+            except OSError as e:  # a file where the folder should be, no permission, ...
+                raise _unusable(self.workdir, e) from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not _names(self.path, fd) and attempt < 99:  # its holder just released it
+                    os.close(fd)
+                    continue
+                os.close(fd)
+                raise _busy(self.workdir, self.path) from None
+            except OSError as e:
+                if e.errno not in _NO_LOCKS:
+                    os.close(fd)
+                    raise _unusable(self.workdir, e) from e
+                self.log(f"trjax: {self.path} cannot be locked on this file system "
+                         f"({e.strerror}): running without the one-run-per-workdir check")
+            if _names(self.path, fd):
+                break
+            os.close(fd)  # the file we locked was removed by its releasing holder: again
+        else:
+            raise WorkdirError(f"workdir {self.workdir!r}: its lock file {self.path} kept being "
+                               "replaced while this run locked it; is another program removing "
+                               "it?")
+        self._made_workdir = made
         os.ftruncate(fd, 0)  # a holder that was killed left its note
         os.pwrite(fd, _note(), 0)
         self._fd, self._key, self.held = fd, key, True
@@ -172,7 +206,9 @@ class WorkdirLock:
         return self
 
     def release(self) -> None:
-        """Clears the note and gives the lock back, if this object holds it."""
+        """Removes the lock file and gives the lock back, if this object holds
+        it; then the workdir too when :meth:`acquire` created it and it is
+        empty (a start that failed before writing anything)."""
         self.held = False
         if self._fd is None:
             return
@@ -180,9 +216,16 @@ class WorkdirLock:
         _HELD.pop(self._key, None)
         try:
             os.ftruncate(fd, 0)
+            if _names(self.path, fd):  # removed while still locked (see the module docstring)
+                os.unlink(self.path)
         except OSError:
             pass
         os.close(fd)  # the kernel drops the flock with the last descriptor
+        if self._made_workdir:
+            try:
+                os.rmdir(self.workdir)  # only an empty folder; anything written keeps it
+            except OSError:
+                pass
 
     def __enter__(self):
         return self.acquire()
