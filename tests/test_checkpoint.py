@@ -10,6 +10,7 @@ import pytest
 
 from helpers import assert_within_reorder_rounding, skip_train_step_compile, small_config, to_host
 from trjax.train import checkpoint, compilation
+from trjax.train.config import CHECKPOINT_KEYS
 from trjax.data import input_pipeline
 from trjax.train import setup, train_and_evaluate
 
@@ -115,7 +116,7 @@ def test_restore_on_another_device_count(tmp_path):
     # the restore itself is exact: step 3's checkpoint onto the 4-device run's shardings
     restored, meta = checkpoint.restore_latest(
         checkpoint.manager(str(tmp_path / "c" / "checkpoints")), on4,
-        {k: small_config(**cfg)[k] for k in checkpoint.COMPATIBLE_FIELDS})
+        {k: small_config(**cfg)[k] for k in CHECKPOINT_KEYS})
     assert meta["world_size"] == 8 and int(restored.step) == 3
     assert {x.sharding.num_devices for x in jax.tree_util.tree_leaves(restored)
             if isinstance(x, jax.Array)} == {4}

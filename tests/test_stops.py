@@ -12,6 +12,7 @@ import pytest
 
 from helpers import small_config, to_host
 from trjax.train import checkpoint, stops
+from trjax.train.config import CHECKPOINT_KEYS
 from trjax import optim
 from trjax.train.metrics_log import read_rows
 from trjax.train import train_and_evaluate
@@ -266,7 +267,7 @@ def test_sigterm_mid_epoch_then_sigusr1_during_evaluation_stop_and_resume_exactl
     mngr = checkpoint.manager(os.path.join(work, "checkpoints"))
     cfg = small_config(**CFG)
     restored, _ = checkpoint.restore_latest(mngr, ref_state,
-                                            {k: cfg[k] for k in checkpoint.COMPATIBLE_FIELDS})
+                                            {k: cfg[k] for k in CHECKPOINT_KEYS})
     assert _bits(restored.params) == _bits(ref_state.params)
 
 

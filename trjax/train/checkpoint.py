@@ -27,9 +27,11 @@ single process orbax's ``save`` call itself runs on the manager's own thread.
 Handing orbax host arrays also spares it the replica-parallel slicing of
 replicated device arrays, which compiles a small program per leaf on the first
 save. A state with leaves sharded across several processes has no host copy:
-its device arrays are saved, the save completes before :func:`save` returns,
-and the checkpoint carries no checksums. :func:`finish` waits for the save in
-flight (before exit, before reading the checkpoints back). Arrays are stored as
+its device arrays are saved and the save completes before :func:`save` returns;
+its checksums are of each whole leaf (every process gathers the sharded ones,
+:func:`checksums`), the same as a single process's save of that state.
+:func:`finish` waits for the save in flight (before exit, before reading the
+checkpoints back). Arrays are stored as
 global (replicated) arrays: the checkpoint does not depend on the device
 count, and one written on 8 devices restores on 4 or 1, each leaf placed with
 the sharding of the run's own state (per-device state, one row per replica --
@@ -72,8 +74,6 @@ from etils import epath
 from trjax import aot
 from trjax.world import host_value
 
-COMPATIBLE_FIELDS = ("model", "bn_mode", "global_batch_size", "dataset", "optimizer",
-                     "precision", "seed", "buckets", "compression", "shard_optimizer_state")
 CHECKSUMS_KEY = "state_crc32"
 """The ``meta`` key of the leaves' checksums: ``{"params/conv/kernel": zlib.crc32, ...}``."""
 EMPTY_KEY = "state_empty_leaves"
@@ -241,8 +241,11 @@ def save(mngr: Manager, state, meta: dict) -> None:
     the manager's ``handoff`` thread; it first waits for the previous save, if
     still in flight); a failed background write raises at the next
     :func:`save` or :func:`finish`. Leaves of a multi-process sharded state
-    have no local host copy: they are saved as device arrays, without
-    checksums, and the save is completed before returning.
+    have no local host copy: they are saved as device arrays and the save is
+    completed before returning; their checksums are of the whole leaves (each
+    sharded leaf gathered onto every process, one leaf at a time: a collective
+    every process calls, as it calls this function), so the restore verifies them
+    as any other checkpoint's.
     """
     step = int(host_value(state.step))
     if _host_copy_possible(state):
@@ -250,6 +253,7 @@ def save(mngr: Manager, state, meta: dict) -> None:
         meta, wait = {**meta, CHECKSUMS_KEY: checksums(tree)}, False
     else:
         tree, wait = flax.serialization.to_state_dict(state), True
+        meta = {**meta, CHECKSUMS_KEY: checksums(tree)}
     tree, empty = _without_empty(tree)
     meta = {**meta, EMPTY_KEY: empty} if empty else meta
     wait_handed_off(mngr)  # saves start in step order; the previous one's error is raised here
@@ -370,7 +374,8 @@ def _with_empty(tree: dict, like: dict) -> dict:
 
 def _verify(path: str, tree: dict, meta: dict) -> None:
     """Raises :class:`DamagedCheckpoint` unless every array leaf of ``tree``
-    has the CRC-32 the meta holds for it (saves of device arrays hold none:
+    has the CRC-32 the meta holds for it (a checkpoint of trjax before the
+    checksums, or a multi-process one of trjax before issue 40, holds none:
     nothing is checked)."""
     if CHECKSUMS_KEY not in meta:
         return
@@ -417,8 +422,15 @@ DATA_KEYS = ("train_examples", "train_fingerprint")
 
 def _check_meta(path: str, meta: dict, expect: dict) -> None:
     """Raises ``ValueError`` naming every ``expect`` key the checkpoint's meta
-    differs in (the checkpoint's value and this run's), and the way out."""
-    diff = {k: (meta.get(k), v) for k, v in expect.items() if meta.get(k) != v}
+    differs in (the checkpoint's value and this run's), and the way out.
+
+    A config key (:data:`trjax.train.config.CHECKPOINT_KEYS`) the meta does not
+    hold is not compared: the checkpoint was written by a trjax that did not
+    record it yet (issue 40 added the recipe keys), and ``config.json``,
+    compared first, holds it. Every other ``expect`` key must be there."""
+    from trjax.train.config import CHECKPOINT_KEYS
+    diff = {k: (meta.get(k), v) for k, v in expect.items()
+            if meta.get(k) != v and (k in meta or k not in CHECKPOINT_KEYS)}
     if not diff:
         return
     named = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())

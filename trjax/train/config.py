@@ -63,19 +63,20 @@ or failed with a bare ``OverflowError`` when placed)."""
 INF = float("inf")
 _LOOP = dict(program=False, resume=True)  # the loop's own knobs: no program, free on resume
 _WHERE = dict(resume=True)                # where and how it runs: may change on resume
-_MATCH = dict(checkpoint=True)            # the state's meaning: must match the checkpoint
+_MATCH = dict(checkpoint=True)            # the state's meaning or the step's arithmetic:
+                                          # must match the checkpoint
 
 KEYS = {
     # data
     "dataset": Key("choice", input_pipeline.DATASETS, **_MATCH),
     "data_dir": Key("str", program=False, resume=True),
-    "image_size": Key("int", 1),
-    "augment": Key("bool"),
+    "image_size": Key("int", 1, **_MATCH),
+    "augment": Key("bool", **_MATCH),
     "prefetch": Key("int", 0, **_LOOP),
     "data_workers": Key("int", None, **_LOOP),  # trjax.data.input_pipeline.resolve_workers
     "verify_images": Key("bool", **_LOOP),
     "skip_bad_images": Key("bool", program=False),
-    "train_remainder": Key("choice", input_pipeline.REMAINDERS),
+    "train_remainder": Key("choice", input_pipeline.REMAINDERS, **_MATCH),
     # world
     "devices": Key("str", **_WHERE),
     "cpu_devices": Key("int", None, **_WHERE),  # trjax.cpu.host.resolve_cpu_convolutions
@@ -96,7 +97,7 @@ KEYS = {
     "init_from": Key("str", program=False, resume=True),  # trjax.train.init_from; a fresh run only
     "model_kwargs": Key("dict"),  # resume: config.json compares it (JSON; no checkpoint meta)
     "bn_mode": Key("choice", BN_MODES, **_MATCH),
-    "bn_momentum": Key("float", (0.0, True, 1.0, False), optional=True,
+    "bn_momentum": Key("float", (0.0, True, 1.0, False), optional=True, **_MATCH,
                        hint=" (None: each BatchNorm keeps its own; trjax's ResNets 0.9)"),
     "zero_init_residual": Key("bool"),  # built-in ResNets: each block's last BN scale = 0
     # communication
@@ -104,31 +105,31 @@ KEYS = {
     "allreduce": Key("choice", ALLREDUCE_CHOICES),
     "allreduce_local_size": Key("int", 0),
     "compression": Key("choice", tuple(compression.COMPRESSORS), **_MATCH),
-    "powersgd_rank": Key("int", 1),
-    "compression_start_step": Key("int", 0),
-    "compression_min_fraction": Key("float", (0.0, True, 1.0, True)),
-    "topk_ratio": Key("float", (0.0, False, 1.0, True)),
-    "grad_accumulation_steps": Key("int", 1),
+    "powersgd_rank": Key("int", 1, **_MATCH),
+    "compression_start_step": Key("int", 0, **_MATCH),
+    "compression_min_fraction": Key("float", (0.0, True, 1.0, True), **_MATCH),
+    "topk_ratio": Key("float", (0.0, False, 1.0, True), **_MATCH),
+    "grad_accumulation_steps": Key("int", 1, **_MATCH),
     "shard_optimizer_state": Key("bool", **_MATCH),
     "precision": Key("choice", tuple(PRECISIONS), **_MATCH),
-    "loss_scale_growth_interval": Key("int", 1),
+    "loss_scale_growth_interval": Key("int", 1, **_MATCH),
     # optimisation
     "optimizer": Key("choice", optim.OPTIMIZERS, **_MATCH),
-    "learning_rate": Key("float", (0.0, False, INF, False)),
-    "warmup_epochs": Key("int", 0),
-    "momentum": Key("float", (0.0, True, 1.0, False)),
-    "nesterov": Key("bool"),
-    "weight_decay": Key("float", (0.0, True, INF, False)),
-    "trust_coefficient": Key("float", (0.0, False, INF, False)),
-    "adam_b1": Key("float", (0.0, True, 1.0, False)),   # adamw only
-    "adam_b2": Key("float", (0.0, True, 1.0, False)),   # adamw only
-    "adam_eps": Key("float", (0.0, False, INF, False)),  # adamw only
-    "grad_clip_norm": Key("float", (0.0, True, INF, False), hint=" (0: off)"),
+    "learning_rate": Key("float", (0.0, False, INF, False), **_MATCH),
+    "warmup_epochs": Key("int", 0, **_MATCH),
+    "momentum": Key("float", (0.0, True, 1.0, False), **_MATCH),
+    "nesterov": Key("bool", **_MATCH),
+    "weight_decay": Key("float", (0.0, True, INF, False), **_MATCH),
+    "trust_coefficient": Key("float", (0.0, False, INF, False), **_MATCH),
+    "adam_b1": Key("float", (0.0, True, 1.0, False), **_MATCH),   # adamw only
+    "adam_b2": Key("float", (0.0, True, 1.0, False), **_MATCH),   # adamw only
+    "adam_eps": Key("float", (0.0, False, INF, False), **_MATCH),  # adamw only
+    "grad_clip_norm": Key("float", (0.0, True, INF, False), **_MATCH, hint=" (0: off)"),
     "ema_decay": Key("float", (0.0, True, 1.0, False), **_MATCH,  # the state holds the EMA
                      hint=" (0: off)"),
-    "label_smoothing": Key("float", (0.0, True, 1.0, False), hint=" (0: off)"),
-    "mixup_alpha": Key("float", (0.0, True, INF, False), hint=" (0: off)"),
-    "cutmix_alpha": Key("float", (0.0, True, INF, False), hint=" (0: off)"),
+    "label_smoothing": Key("float", (0.0, True, 1.0, False), **_MATCH, hint=" (0: off)"),
+    "mixup_alpha": Key("float", (0.0, True, INF, False), **_MATCH, hint=" (0: off)"),
+    "cutmix_alpha": Key("float", (0.0, True, INF, False), **_MATCH, hint=" (0: off)"),
     "num_epochs": Key("int", 1, **_WHERE),  # the schedule's length: recomputed on resume
     # run
     "seed": Key("int", 0, **_MATCH),
@@ -171,7 +172,16 @@ RESUME_MAY_CHANGE = tuple(dict.fromkeys(k.split(".")[0] for k, key in KEYS.items
 it runs and logs, how long, how often it saves; none changes the arithmetic of
 a step or the data order."""
 CHECKPOINT_KEYS = tuple(k for k, key in KEYS.items() if key.checkpoint)
-"""Keys whose values a checkpoint records and a resume must match."""
+"""Keys whose values a checkpoint records and a resume must match: what the state
+means (model, data set, optimizer, EMA, ...) and every key that changes a step's
+arithmetic (the recipe: learning rate and schedule, optimizer parameters, weight
+decay, clipping, label smoothing, mixing, BatchNorm momentum, accumulation, loss
+scaling, compression parameters; the data: image size, augmentation, remainder), so
+that a workdir without its ``config.json`` still refuses a changed recipe by name
+(issue 40). Not here: keys that change only the order of fp32 sums (``allreduce``,
+the pipeline's schedule, stage starts and remat), the evaluation batch, the initial
+parameters only (``zero_init_residual``: a resume restores them), ``model_kwargs``
+(a dict: ``config.json`` compares it) and :data:`RESUME_MAY_CHANGE`."""
 OUTSIDE_PROGRAMS = tuple(k for k, key in KEYS.items() if not key.program)
 """Keys that enter no compiled program (``tests/test_config.py`` changes them all
 and compares the lowered train step)."""
