@@ -411,7 +411,7 @@ def test_errors():
         trace(4, bn_mode="sync")
     with pytest.raises(ValueError, match="the stage plan has 3 stages"):
         trace(4, plan=pipeline.plan_stages(module, IMAGE, 3))
-    with pytest.raises(ValueError, match="pipeline splits trjax.models.ResNet"):
+    with pytest.raises(ValueError, match=r"pipeline splits trjax.s ResNets \(trjax.models.ResNet\) or a sequence of layers"):
         import flax.linen as nn
         trace(4, model=nn.Dense(10))
 

@@ -404,15 +404,41 @@ class FlaggedSequential(nn.Module):
     none for functions such as ``nn.relu``), in order, one array in and out. Its
     parameter tree is ``nn.Sequential``'s (``layers_0``, ``layers_1``, ...), so
     weights move between the two unchanged. :func:`as_network` uses it for any
-    ``nn.Sequential``.
+    ``nn.Sequential``. ``span=(lo, hi)`` calls ``layers[lo:hi]`` only, under
+    the whole sequence's names (a pipeline stage:
+    :func:`trjax.parallel.pipeline.stage_modules`).
     """
     layers: Sequence[Any]
+    span: Optional[tuple] = None
 
     def __call__(self, x, train: bool = True):
-        for layer in self.layers:
+        lo, hi = self.span if self.span is not None else (0, len(self.layers))
+        for layer in self.layers[lo:hi]:
             fn = layer.__call__ if isinstance(layer, nn.Module) else layer
             x = layer(x, **_flag_value(_call_flag(fn), train))
         return x
+
+    def layer_costs(self, image_shape: tuple) -> list[dict]:
+        """Per layer, in call order: ``{"name", "flops", "out_shape"}`` for one
+        example of ``image_shape``, from XLA's cost analysis of the layer alone
+        in evaluation mode (nothing is compiled or run). ``name`` is the layer's
+        parameter subtree (``layers_i``)."""
+        x = jax.ShapeDtypeStruct((1,) + tuple(image_shape), jnp.float32)
+        variables = jax.eval_shape(lambda k, x: self.init(k, x, train=False),
+                                   jax.random.key(0), x)
+        out = []
+        for i, layer in enumerate(self.layers):
+            name = f"layers_{i}"
+            own = {c: v[name] for c, v in variables.items() if name in v}
+            fn = layer.__call__ if isinstance(layer, nn.Module) else layer
+            flag = _flag_value(_call_flag(fn), False)
+            call = (lambda v, x, layer=layer, flag=flag: layer.apply(v, x, **flag)) \
+                if isinstance(layer, nn.Module) else (lambda v, x, layer=layer: layer(x))
+            cost = jax.jit(call).lower(own, x).cost_analysis() or {}
+            x = jax.eval_shape(call, own, x)
+            out.append({"name": name, "flops": float(cost.get("flops", 0.0)),
+                        "out_shape": tuple(x.shape[1:])})
+        return out
 
 
 RNG_STREAMS = ("dropout", "drop_path", "droppath", "stochastic_depth")

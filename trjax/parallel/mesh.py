@@ -106,7 +106,7 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
                          "is not supported yet; use 'data:D,fsdp:F' (or 'fsdp:F')")
     kind = ("an 'fsdp' axis" if sharded else
             "a 'stage' axis (pipeline)" if stage else "a 'model' axis (tensor parallel)")
-    if own_model and not sharded:
+    if own_model and model:  # a stage axis splits a sequence too (pipeline.plan_stages)
         raise ValueError(f"config.mesh={c.mesh!r}: {kind} splits trjax's own ResNets; "
                          f"config.model={c.model!r} is your own model: use a built-in model "
                          f"({sorted(builtin_models)}) or a mesh with the data axis only")

@@ -112,9 +112,12 @@ class StagePlan:
     """How a ResNet is split into pipeline stages.
 
     Attributes:
-      blocks: the residual block names in call order.
+      blocks: the residual block names (a sequence's layer names, ``layers_i``)
+        in call order.
       bounds: per stage ``(lo, hi)``: it runs ``blocks[lo:hi]`` (stage 0 also
         the stem, the last stage also the head).
+      first, last: the names the first / last stage owns besides its blocks
+        (a ResNet's stem and head; none for a sequence).
       macs: per stage, multiply-accumulates per example.
       shares: per stage, its fraction of the model's MACs.
       imbalance: ``max(macs) / mean(macs)`` (1 = perfectly balanced; the
@@ -125,6 +128,8 @@ class StagePlan:
     macs: tuple
     shares: tuple
     imbalance: float
+    first: tuple = ("stem_conv", "stem_bn")
+    last: tuple = ("head",)
 
     @property
     def num_stages(self) -> int:
@@ -135,18 +140,44 @@ class StagePlan:
         lo, hi = self.bounds[s]
         names = list(self.blocks[lo:hi])
         if s == 0:
-            names = ["stem_conv", "stem_bn"] + names
+            names = list(self.first) + names
         if s == self.num_stages - 1:
-            names = names + ["head"]
+            names = names + list(self.last)
         return names
 
 
-def plan_stages(module: models.ResNet, image_shape: Sequence[int], num_stages: int,
+SPLITTABLE = "trjax's ResNets (trjax.models.ResNet) or a sequence of layers (flax nn.Sequential)"
+
+
+def _units(module, image_shape) -> tuple[list[str], list[float], dict]:
+    """``(names, costs, StagePlan fields)`` of what a pipeline splits: a ResNet's
+    residual blocks (MACs) or a sequence's layers (XLA's flops / 2)."""
+    if isinstance(module, models.ResNet):
+        info = module.blocks_info(image_shape)
+        return [b["name"] for b in info], [b["macs"] for b in info], {}
+    if isinstance(module, models.FlaggedSequential):
+        info = module.layer_costs(image_shape)
+        return [b["name"] for b in info], [b["flops"] / 2 for b in info], \
+            {"first": (), "last": ()}
+    cls = type(module)
+    raise ValueError(f"a 'stage' mesh axis splits {SPLITTABLE} into stages; your model "
+                     f"{cls.__module__}.{cls.__qualname__} is neither: write it as "
+                     "nn.Sequential([...]) of layers that each take one array (a residual "
+                     "block is one layer; each gets the training flag it takes), use a built-in "
+                     "ResNet, or a mesh without 'stage'")
+
+
+def plan_stages(module, image_shape: Sequence[int], num_stages: int,
                 starts: Sequence[str] | None = None) -> StagePlan:
-    """Splits a ResNet's residual blocks into ``num_stages`` contiguous stages.
+    """Splits a ResNet's residual blocks, or a sequence's layers, into
+    ``num_stages`` contiguous stages balanced by their cost.
 
     Args:
-      module: a :class:`trjax.models.ResNet`.
+      module: a :class:`trjax.models.ResNet` (cost: MACs) or a
+        :class:`trjax.models.FlaggedSequential` (a flax ``nn.Sequential`` as
+        :func:`trjax.models.as_network` holds it; cost: XLA's cost analysis of
+        each layer alone, :meth:`~trjax.models.FlaggedSequential.layer_costs`;
+        torchgpipe's ``nn.Sequential`` contract).
       image_shape: ``(H, W, C)`` of one image (for the MACs).
       num_stages: S >= 1.
       starts: ``None`` (balanced by MACs, :func:`balanced_split`) or the S - 1
@@ -156,16 +187,12 @@ def plan_stages(module: models.ResNet, image_shape: Sequence[int], num_stages: i
       A :class:`StagePlan` (each stage's MAC share in ``shares``).
 
     Raises:
-      ValueError: from :meth:`trjax.models.ResNet.blocks_info` / :func:`balanced_split`; ``starts``
-        of the wrong length, naming an unknown block or the first block, or out
-        of order.
+      ValueError: a model of another kind (naming the way to express it as a
+        sequence); from :meth:`trjax.models.ResNet.blocks_info` /
+        :func:`balanced_split`; ``starts`` of the wrong length, naming an unknown
+        block or the first block, or out of order.
     """
-    if not isinstance(module, models.ResNet):
-        raise ValueError(f"pipeline stages are defined for trjax.models.ResNet, got "
-                         f"{type(module).__name__}")
-    layout = module.blocks_info(image_shape)
-    names = [b["name"] for b in layout]
-    costs = [b["macs"] for b in layout]
+    names, costs, extra = _units(module, image_shape)
     if starts is None:
         bounds = balanced_split(costs, num_stages)
     else:
@@ -186,15 +213,17 @@ def plan_stages(module: models.ResNet, image_shape: Sequence[int], num_stages: i
     total = sum(macs)
     return StagePlan(blocks=tuple(names), bounds=tuple(bounds), macs=macs,
                      shares=tuple(m / total for m in macs),
-                     imbalance=max(macs) / (total / len(macs)))
+                     imbalance=max(macs) / (total / len(macs)), **extra)
 
 
-def stage_modules(module: models.ResNet, plan: StagePlan) -> list[nn.Module]:
-    """One module per stage of ``plan``: the ResNet itself, run over the stage's
+def stage_modules(module, plan: StagePlan) -> list[nn.Module]:
+    """One module per stage of ``plan``: the model itself, run over the stage's
     blocks (``ResNet(blocks=(lo, hi))``: the stem with the first, the head with
-    the last); each reads the full ResNet's parameter / ``batch_stats`` paths
-    of the names it owns (:meth:`StagePlan.names`)."""
-    return [module.clone(blocks=(lo, hi)) for lo, hi in plan.bounds]
+    the last; ``FlaggedSequential(span=(lo, hi))``); each reads the whole
+    model's parameter / ``batch_stats`` paths of the names it owns
+    (:meth:`StagePlan.names`)."""
+    key = "blocks" if isinstance(module, models.ResNet) else "span"
+    return [module.clone(**{key: (lo, hi)}) for lo, hi in plan.bounds]
 
 
 # -- the pipelined forward + backward -------------------------------------------------------
@@ -215,7 +244,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
                               stage_axis: str = "stage", num_stages: int | None = None,
                               loss_fn=None, label_smoothing: float = 0.0,
                               remat: bool = False, bubble_fill: float = 0.0,
-                              schedule: str = "gpipe", select=None):
+                              schedule: str = "gpipe", select=None, rng=None):
     """Per device, GPipe: gradients of the summed loss, metric sums, BN batch sums.
 
     Call inside ``jax.shard_map`` over a mesh with axes ``(data_axis,
@@ -229,7 +258,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
 
     Args:
       model: a :class:`trjax.models.Network` wrapping, or a bare,
-        :class:`trjax.models.ResNet`; its BatchNorm mode must be ``bn_mode``.
+        :class:`trjax.models.ResNet` (its BatchNorm mode must be ``bn_mode``) or
+        :class:`trjax.models.FlaggedSequential` (flax's ``nn.Sequential``).
       params: the full parameter tree.
       batch_stats: this device's BN running statistics (full tree, ``[C]`` leaves).
       batch: ``{"image": [L, H, W, C], "label": [L] int32, "mask": [L] float32}``
@@ -260,6 +290,9 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         stage-owned layout passes its packed rows
         (:meth:`trjax.parallel.stage_owned.StageRows.select`): the gradient is then
         of the same packed structure, this stage's leaves only.
+      rng: this data rank's step key (:func:`trjax.objective.dropout_key`
+        without ``micro``): micro-batch ``j`` draws from ``fold_in(rng, j)``, as
+        under gradient accumulation; ``None``: no random streams.
 
     Returns:
       ``(grads, sums [4] float32, bn_sums, rules)`` as
@@ -271,7 +304,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
       other stages' layers; ``rules`` every BatchNorm's running rule.
 
     Raises:
-      ValueError (while tracing): the model is not a ResNet; its ``bn_mode``
+      ValueError (while tracing): the model is neither a ResNet nor a sequence
+        (:func:`plan_stages`); a ResNet's ``bn_mode``
         differs from ``bn_mode``; M < 1, M < S, or L not divisible by M; a plan
         for another stage count than the mesh's; more stages than blocks.
     """
@@ -288,7 +322,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     if select is None:
         select = lambda k, p: _subtree(p, plan.names(k))  # noqa: E731
     run_stage = _stage_runner(stage_modules(net.module, plan), plan, batch_stats, bn_mode,
-                              data_axis, remat, rules, select)
+                              data_axis, remat, rules, select, rng)
     lp = _loop(net, batch, params, run_stage, S, M, bn_mode, (data_axis, stage_axis),
                bubble_fill)
     branches = [_forward_branch(k, run_stage, lp, loss_fn, label_smoothing) for k in range(S)]
@@ -306,10 +340,9 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
 
 def _check_schedule(module, bn_mode: str, rows: int, M: int, S: int, schedule: str) -> None:
     """The checks :func:`pipeline_forward_backward` makes while tracing."""
-    if not isinstance(module, models.ResNet):
-        raise ValueError(f"the pipeline splits trjax.models.ResNet models, got "
-                         f"{type(module).__name__}")
-    if module.bn_mode != bn_mode:
+    if not isinstance(module, (models.ResNet, models.FlaggedSequential)):
+        raise ValueError(f"the pipeline splits {SPLITTABLE}, got {type(module).__name__}")
+    if isinstance(module, models.ResNet) and module.bn_mode != bn_mode:
         raise ValueError(f"the model's BatchNorm mode {module.bn_mode!r} differs from "
                          f"bn_mode {bn_mode!r}")
     if M < 1 or rows % M:
@@ -322,22 +355,26 @@ def _check_schedule(module, bn_mode: str, rows: int, M: int, S: int, schedule: s
 
 
 def _stage_runner(mods, plan: StagePlan, batch_stats, bn_mode: str, data_axis: str,
-                  remat: bool, rules: dict, select):
-    """``run_stage(k, params, x_in, mask) -> (y, bn_sums)``: stage ``k``'s module on
-    its own subtrees (``select(k, params)``; ``jax.checkpoint``-ed with ``remat``);
-    every BatchNorm's running rule lands in ``rules``."""
-    def run_stage(k, p, x_in, mask):
+                  remat: bool, rules: dict, select, rng=None):
+    """``run_stage(k, params, x_in, mask, j) -> (y, bn_sums)``: stage ``k``'s module on
+    its own subtrees (``select(k, params)``; ``jax.checkpoint``-ed with ``remat``) for
+    micro-batch ``j``, whose random streams come from ``fold_in(rng, j)`` as under
+    gradient accumulation (:func:`trjax.objective.forward_backward`; a layer's key
+    folds in its own path, the same in a stage as in the whole model); every
+    BatchNorm's running rule lands in ``rules``."""
+    def run_stage(k, p, x_in, mask, j=0):
         names = plan.names(k)
         ctx = BatchNormContext(bn_mode, data_axis, mask)
 
-        def call(p, x_in, mask):
+        def call(p, x_in, mask, j):
+            rngs = None if rng is None else models._linen_rngs(jax.random.fold_in(rng, j))
             with nn.intercept_methods(linen_interceptor(ctx)):
                 y, new = mods[k].apply(
                     {"params": select(k, p), "batch_stats": _subtree(batch_stats, names)},
-                    x_in, train=True, mutable=["batch_stats", "bn_sums"])
+                    x_in, train=True, mutable=["batch_stats", "bn_sums"], rngs=rngs)
             return y, new.get("bn_sums", {})
 
-        out = (jax.checkpoint(call) if remat else call)(p, x_in, mask)
+        out = (jax.checkpoint(call) if remat else call)(p, x_in, mask, j)
         rules.update(ctx.rules)
         return out
     return run_stage
@@ -357,7 +394,7 @@ def _loop(net, batch, params, run_stage, S: int, M: int, bn_mode: str, axes: tup
     shapes, bn_shapes = [], {}
     cur = (images.shape[1:], images.dtype)
     for k in range(S):  # every boundary (stage b's output, b+1's input) and each stage's sums
-        y, sums_k = jax.eval_shape(lambda p, xi, m, k=k: run_stage(k, p, xi, m), params,
+        y, sums_k = jax.eval_shape(lambda p, xi, m, k=k: run_stage(k, p, xi, m, 0), params,
                                    jax.ShapeDtypeStruct(*cur),
                                    jax.ShapeDtypeStruct((mu,), jnp.float32))
         bn_shapes.update(sums_k)
@@ -376,13 +413,14 @@ def _loop(net, batch, params, run_stage, S: int, M: int, bn_mode: str, axes: tup
 
 
 def _forward_branch(k: int, run_stage, lp: "_Loop", loss_fn, label_smoothing):
-    """Stage ``k``'s forward slot: ``(params, inputs, mask, label, valid) -> (outs,
-    sums, bn)``; a bubble's input is replaced by zeros by select (NaN-safe)."""
+    """Stage ``k``'s forward slot: ``(params, inputs, mask, label, valid, j) -> (outs,
+    sums, bn)`` for micro-batch ``j``; a bubble's input is replaced by zeros by select
+    (NaN-safe)."""
     S = lp.S
 
-    def fn(p, inputs, mask, label, valid):
+    def fn(p, inputs, mask, label, valid, j):
         x_in = jnp.where(valid, inputs[k], jnp.zeros_like(inputs[k]))  # select, NaN-safe
-        y, own = run_stage(k, p, x_in, mask)
+        y, own = run_stage(k, p, x_in, mask, j)
         bn = lp.zeros_bn()
         bn.update(own)
         bn = jax.tree_util.tree_map(lambda a: as_varying(a, lp.bn_axes), bn)
@@ -411,7 +449,7 @@ def _gpipe(p, branches, lp: "_Loop", loss_scale):
             mask = jnp.where(valid, lp.masks[jc], jnp.zeros_like(lp.masks[jc]))
             inputs = (as_varying(lp.images[t], axes),) + tuple(bufs)
             outs, sums, bn = lax.switch(stage, branches, p, inputs, as_varying(mask, axes),
-                                        as_varying(lp.labels[jc], axes), valid)
+                                        as_varying(lp.labels[jc], axes), valid, jc)
             sums = jnp.where(valid, sums, jnp.zeros_like(sums))
             bn = jax.tree_util.tree_map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), bn)
             outs = [jnp.where(valid, o, jnp.zeros_like(o)) for o in outs]
@@ -488,14 +526,14 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
     zeros_grads = jax.tree_util.tree_map(lambda a: as_varying(jnp.zeros_like(a), axes), p)
 
     def backward(k):
-        def fn(x_flat, cots, mask, label, valid):
+        def fn(x_flat, cots, mask, label, valid, j):
             x_in = x_flat[:math.prod(in_shapes[k])].reshape(in_shapes[k]).astype(in_dtypes[k])
             x_in = jnp.where(valid, x_in, jnp.zeros_like(x_in))
             if k < S - 1:
-                y, vjp = jax.vjp(lambda q, x: run_stage(k, q, x, mask)[0], p, x_in)
+                y, vjp = jax.vjp(lambda q, x: run_stage(k, q, x, mask, j)[0], p, x_in)
                 ct = jnp.where(valid, cots[k], jnp.zeros_like(cots[k])).astype(y.dtype)
             else:
-                y, vjp = jax.vjp(lambda q, x: loss_sum(run_stage(k, q, x, mask)[0], label,
+                y, vjp = jax.vjp(lambda q, x: loss_sum(run_stage(k, q, x, mask, j)[0], label,
                                                        mask)[1], p, x_in)
                 ct = jnp.where(valid, jnp.ones_like(y), jnp.zeros_like(y))
             dp, dx = vjp(ct)
@@ -520,7 +558,7 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
         inputs = (as_varying(lp.images[cf], axes),) + tuple(fwd)
         # F: this device's stage on micro-batch jf; its input goes into the stash
         outs, sums, bn = lax.switch(stage, forward_branches, p, inputs, as_varying(mf, axes),
-                                    as_varying(lp.labels[cf], axes), vf)
+                                    as_varying(lp.labels[cf], axes), vf, cf)
         x_in = lax.switch(stage, [lambda i, k=k: flat(i[k]) for k in range(S)], inputs)
         slot = jf % K
         stash = stash.at[slot].set(jnp.where(vf, x_in, stash[slot]))
@@ -530,7 +568,7 @@ def _one_f_one_b(p, forward_branches, run_stage, lp: _Loop, loss_sum):
         outs = [jnp.where(vf, o, jnp.zeros_like(o)) for o in outs]
         # B: micro-batch jb from its stashed input and the cotangent received last tick
         dp, douts = lax.switch(stage, backward_branches, stash[jb % K], tuple(bwd),
-                               as_varying(mb, axes), as_varying(lp.labels[cb], axes), vb)
+                               as_varying(mb, axes), as_varying(lp.labels[cb], axes), vb, cb)
         grads = jax.tree_util.tree_map(jnp.add, grads, dp)
         fwd = tuple(lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)]) for b in range(S - 1))
         bwd = tuple(lax.ppermute(douts[b], lp.stage_axis, [(b + 1, b)]) for b in range(S - 1))
@@ -602,12 +640,8 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
         batch (naming the valid counts), or bad ``starts``.
     """
     module = getattr(module, "module", module)
-    if not isinstance(module, models.ResNet):
-        cls = type(module)
-        raise ValueError(f"a 'stage' mesh axis splits trjax's own ResNets "
-                         f"(trjax.models.ResNet) into stages; your model "
-                         f"{cls.__module__}.{cls.__qualname__} is not one: use config.model=resnet8/"
-                         "resnet20/resnet18_cifar/resnet18/resnet50, or a mesh without 'stage'")
+    _units(module, image_shape) if not isinstance(module, (
+        models.ResNet, models.FlaggedSequential)) else None  # raises, naming the way out
     valid = [m for m in range(num_stages, local_batch + 1) if local_batch % m == 0]
     if num_microbatches < num_stages or local_batch % num_microbatches:
         what = what or f"config.pipeline_microbatches={num_microbatches}"
@@ -630,16 +664,15 @@ def _forward_backward(network, stages: StagePlan, num_microbatches: int, bn_mode
     """The layout's ``forward_backward``: this device's stage's leaves gathered
     whole (:meth:`StageRows.gather`), :func:`pipeline_forward_backward` with the
     schedule bound on them, and the gradient handed back to the devices that hold
-    each slice (:meth:`StageRows.scatter`; ``rng`` unused: trjax's ResNets draw no
-    randomness). Returns this device's slices' gradients and the metric sums
-    summed over ``stage``.
+    each slice (:meth:`StageRows.scatter`; ``rng``: the data rank's step key, each
+    micro-batch's streams folded from it). Returns this device's slices' gradients
+    and the metric sums summed over ``stage``.
 
     Raises:
       ValueError (while tracing): ``options`` asking for gradient accumulation
         (the micro-batches are the pipeline's accumulation) or mixup / cutmix
         (they mix rows across a micro-batch).
     """
-    del rng
     if options.grad_accumulation_steps != 1 or options.mixup_alpha or options.cutmix_alpha:
         raise ValueError(f"a pipeline's step takes no grad_accumulation_steps (its "
                          f"{num_microbatches} micro-batches are its accumulation) and no "
@@ -647,7 +680,7 @@ def _forward_backward(network, stages: StagePlan, num_microbatches: int, bn_mode
     grads, sums, bn_sums, rules = pipeline_forward_backward(
         network, rows.gather(params), batch_stats, batch, num_microbatches, stages, loss_scale,
         bn_mode, data_axis, "stage", num_stages, options.loss_fn, options.label_smoothing, remat,
-        schedule=schedule, select=lambda k, p: rows.select(k, p, stages.names(k)))
+        schedule=schedule, select=lambda k, p: rows.select(k, p, stages.names(k)), rng=rng)
     grads, sums = rows.scatter(grads, sums)
     return grads, sums, bn_sums, rules
 
@@ -663,7 +696,8 @@ def boundary_traffic(module, image_shape, stages: StagePlan, num_microbatches: i
       stages: the split; num_microbatches: M; local_batch: rows per data rank.
       itemsize: bytes per activation element (2 for bf16 / fp16, 4 for fp32).
     """
-    blocks = module.blocks_info(image_shape)
+    blocks = module.blocks_info(image_shape) if isinstance(module, models.ResNet) else \
+        module.layer_costs(image_shape)
     shapes = [blocks[hi - 1]["out_shape"] for _, hi in stages.bounds[:-1]]
     m, mu = num_microbatches, local_batch // num_microbatches
     useful = comm.pipeline_bytes(m, mu, shapes, itemsize)
