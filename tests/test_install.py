@@ -52,6 +52,7 @@ def wheels(tmp_path_factory):
     names = sorted(os.path.basename(w) for w in glob.glob(str(d / "*.whl")))
     assert any(n.startswith("ml_collections-") for n in names), names
     assert any(n.lower().startswith("tensorboardx-") for n in names), names
+    assert any(n.startswith("flatbuffers-") for n in names), names  # trjax-export
     assert any(n.startswith("setuptools-") for n in names), names
     return d
 
