@@ -195,6 +195,20 @@ def assert_within_bound_except_still(a, b, start, rows: int):
     return worst
 
 
+def save_stand_in_checkpoint(workdir, meta: dict) -> None:
+    """A tiny train state saved with ``meta`` under ``workdir/checkpoints`` (checksums
+    and all): what a resume reads before anything about the model is compiled."""
+    from trjax.state import TrainState
+    from trjax.train import checkpoint
+    one = np.ones((), np.int32)
+    stand_in = TrainState(step=one, params={"w": np.ones(3, np.float32)}, batch_stats={},
+                          opt_state={}, skipped_steps=one, loss_scale=np.float32(1),
+                          good_steps=one)
+    mngr = checkpoint.manager(os.path.join(str(workdir), "checkpoints"))
+    checkpoint.save(mngr, stand_in, meta)
+    checkpoint.finish(mngr)
+
+
 def put_like(host_tree, like):
     """``host_tree`` (numpy leaves) placed on the shardings of the jax arrays of ``like``
     (the same structure and global shapes): one run's state handed to another layout."""

@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import assert_within_reorder_rounding, skip_train_step_compile, small_config, to_host
+from helpers import (assert_within_reorder_rounding, save_stand_in_checkpoint,
+                     skip_train_step_compile, small_config, to_host)
 from trjax.train import checkpoint, compilation
 from trjax.train.config import CHECKPOINT_KEYS
 from trjax.data import input_pipeline
@@ -252,24 +253,18 @@ def test_per_device_state_resumes_only_on_its_world_size(tmp_path, monkeypatch):
     The checkpoint is one the 8-device run would write (its meta: the config's fields, the
     exchange's keys, world_size 8) around a stand-in state: only the meta is read."""
     from trjax import aot
-    from trjax.state import TrainState
     from trjax.train import prepare
     from trjax.train.trainer import checkpoint_keys
     cfg = small_config(bn_mode="local", num_epochs=1)
     meta = {**checkpoint_keys(prepare(cfg)), "world_size": 8, "epoch": 1, "batch": 1}
-    one = np.ones((), np.int32)
-    stand_in = TrainState(step=one, params={"w": np.ones(3, np.float32)}, batch_stats={},
-                          opt_state={}, skipped_steps=one, loss_scale=np.float32(1),
-                          good_steps=one)
-    mngr = checkpoint.manager(str(tmp_path / "checkpoints"))
-    checkpoint.save(mngr, stand_in, meta)
-    checkpoint.finish(mngr)
+    save_stand_in_checkpoint(tmp_path, meta)
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
     with pytest.raises(ValueError, match=r"incompatible with this config: world_size: "
                                          r"checkpoint 8 vs now 4"):
         train_and_evaluate(small_config(bn_mode="local", num_epochs=1, devices="4"),
                            str(tmp_path))
     # the same world size passes this check (and would go on to restore)
+    mngr = checkpoint.manager(str(tmp_path / "checkpoints"))
     checkpoint.check_compatible(mngr, {**{k: v for k, v in meta.items()
                                           if k not in ("epoch", "batch")}})
 

@@ -35,8 +35,8 @@ import pytest
 from flax import nnx
 
 from helpers import (assert_within_reorder_rounding, digit_like_batches, max_rel, put_like,
-                     skip_train_step_compile, small_config, tiny_digits, to_host,
-                     trainer_batch)
+                     save_stand_in_checkpoint, skip_train_step_compile, small_config,
+                     tiny_digits, to_host, trainer_batch)
 from trjax import aot, exchange, models
 from trjax.objective import MIX_STREAM, dropout_key, mix_batch
 from trjax.state import TrainState, create_train_state
@@ -488,13 +488,7 @@ def test_a_changed_checkpoint_key_is_refused_on_resume_before_compiling(key, tmp
     assert cfg[key] != value
     meta = {**trainer.checkpoint_keys(trainer.prepare(cfg, data)), "epoch": 1, "batch": 1}
     assert key in meta
-    one = np.ones((), np.int32)
-    stand_in = TrainState(step=one, params={"w": np.ones(3, np.float32)}, batch_stats={},
-                          opt_state={}, skipped_steps=one, loss_scale=np.float32(1),
-                          good_steps=one)
-    mngr = checkpoint.manager(str(tmp_path / "checkpoints"))
-    checkpoint.save(mngr, stand_in, meta)
-    checkpoint.finish(mngr)
+    save_stand_in_checkpoint(tmp_path, meta)
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
     from trjax.train import train_and_evaluate
     with pytest.raises(ValueError, match=rf"incompatible with this config: {key}: checkpoint "
@@ -506,13 +500,8 @@ def test_a_checkpoint_key_an_older_meta_lacks_is_not_compared(tmp_path):
     """A checkpoint of a trjax that did not record a key yet (a recipe key, before issue
     40) passes the check for it (config.json, compared first, holds it); one it holds is
     compared; a key outside the config (the world size) must be there."""
-    one = np.ones((), np.int32)
-    stand_in = TrainState(step=one, params={"w": np.ones(3, np.float32)}, batch_stats={},
-                          opt_state={}, skipped_steps=one, loss_scale=np.float32(1),
-                          good_steps=one)
-    mngr = checkpoint.manager(str(tmp_path))
-    checkpoint.save(mngr, stand_in, {"model": "resnet8", "epoch": 1, "batch": 1})
-    checkpoint.finish(mngr)
+    save_stand_in_checkpoint(tmp_path, {"model": "resnet8", "epoch": 1, "batch": 1})
+    mngr = checkpoint.manager(str(tmp_path / "checkpoints"))
     checkpoint.check_compatible(mngr, {"model": "resnet8", "label_smoothing": 0.1})
     with pytest.raises(ValueError, match="model: checkpoint 'resnet8' vs now 'resnet20'"):
         checkpoint.check_compatible(mngr, {"model": "resnet20", "label_smoothing": 0.1})

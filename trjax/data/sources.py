@@ -87,7 +87,7 @@ class RecordImages:
     def __getitem__(self, idx):
         if isinstance(idx, (int, np.integer)):
             return self.read(idx)
-        rows = np.arange(len(self))[idx]
+        rows = range(*idx.indices(len(self))) if isinstance(idx, slice) else np.asarray(idx)
         out = np.empty((len(rows),) + self.shape[1:], self.dtype)
         for k, i in enumerate(rows):
             out[k] = self.read(i)

@@ -155,10 +155,16 @@ def _units(module, image_shape) -> tuple[list[str], list[float], dict]:
     if isinstance(module, models.ResNet):
         info = module.blocks_info(image_shape)
         return [b["name"] for b in info], [b["macs"] for b in info], {}
-    if isinstance(module, models.FlaggedSequential):
-        info = module.layer_costs(image_shape)
-        return [b["name"] for b in info], [b["flops"] / 2 for b in info], \
-            {"first": (), "last": ()}
+    _check_splittable(module)
+    info = module.layer_costs(image_shape)
+    return [b["name"] for b in info], [b["flops"] / 2 for b in info], {"first": (), "last": ()}
+
+
+def _check_splittable(module) -> None:
+    """Raises ``ValueError`` unless a pipeline can split ``module`` (a ResNet or a
+    sequence), naming the way to write another model as a sequence."""
+    if isinstance(module, (models.ResNet, models.FlaggedSequential)):
+        return
     cls = type(module)
     raise ValueError(f"a 'stage' mesh axis splits {SPLITTABLE} into stages; your model "
                      f"{cls.__module__}.{cls.__qualname__} is neither: write it as "
@@ -640,8 +646,7 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
         batch (naming the valid counts), or bad ``starts``.
     """
     module = getattr(module, "module", module)
-    _units(module, image_shape) if not isinstance(module, (
-        models.ResNet, models.FlaggedSequential)) else None  # raises, naming the way out
+    _check_splittable(module)
     valid = [m for m in range(num_stages, local_batch + 1) if local_batch % m == 0]
     if num_microbatches < num_stages or local_batch % num_microbatches:
         what = what or f"config.pipeline_microbatches={num_microbatches}"
