@@ -21,6 +21,7 @@ dtype.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -35,6 +36,7 @@ from jax import lax
 
 from trjax.batchnorm import (BatchNorm, BatchNormContext, fold_batchnorm_tree, linen_interceptor,
                              nnx_context, swap_nnx_batchnorms)
+from trjax import tensor_plan
 from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
 from trjax.tensor import copy_to_model, gather_from_model, reduce_from_model, split_stages
 
@@ -596,6 +598,10 @@ class Network:
         step's key in training (and in evaluation when required).
       bn_momentum: every BatchNorm's running momentum (``config.bn_momentum``),
         or ``None``: each layer keeps its own.
+      tensor_roles: a resolved tensor plan (``{module path: role}``,
+        :func:`trjax.tensor_plan.resolve`) applied to flax's own layers in
+        every apply, on the ``tensor_axis`` of ``tensor_size`` devices (inside
+        ``shard_map``, on the parameter slices), or ``None``.
     """
     module: Any
     kind: str = "linen"
@@ -608,6 +614,23 @@ class Network:
     nnx: Optional[_NNXParts] = None
     call_rngs: Optional[str] = None
     bn_momentum: Optional[float] = None
+    tensor_roles: Optional[dict] = None
+    tensor_axis: str = "model"
+    tensor_size: int = 1
+
+    def _split(self):
+        """The tensor plan's linen interception (a null context without a plan)."""
+        if not self.tensor_roles:
+            return contextlib.nullcontext()
+        return nn.intercept_methods(tensor_plan.linen_interceptor(
+            self.tensor_roles, self.tensor_axis, self.tensor_size))
+
+    def _merge(self, params, batch_stats, rng):
+        """The nnx model for one trace, with the tensor plan's layers swapped in."""
+        model = self.nnx.merge(params, batch_stats, rng)
+        if self.tensor_roles:
+            tensor_plan.swap_nnx_layers(model, self.tensor_roles, self.tensor_axis)
+        return model
 
     def _flag(self, train: bool) -> dict:
         return _flag_value(self.train_flag, train)
@@ -654,14 +677,14 @@ class Network:
           ``{}`` without BatchNorm), see :mod:`trjax.batchnorm`.
         """
         if self.kind == "nnx":
-            model = self.nnx.merge(params, batch_stats, rng)
+            model = self._merge(params, batch_stats, rng)
             swap_nnx_batchnorms(model, ctx)
             model.train()
             with nnx_context(ctx):
                 logits = logits_of(model(x, **self._flag(True), **self._rngs(rng, True)))
             sums = _nest(ctx.sums, "sums")
         else:
-            with nn.intercept_methods(linen_interceptor(ctx)):
+            with nn.intercept_methods(linen_interceptor(ctx)), self._split():
                 out, new = self.module.apply(
                     {"params": params, "batch_stats": batch_stats}, x, **self._flag(True),
                     rngs=_linen_rngs(rng), mutable=["batch_stats", "bn_sums"])
@@ -686,12 +709,13 @@ class Network:
         ``bn``: the folded BatchNorm tree (:meth:`fold`) when ``folded`` and
         :attr:`folds`, else the running ``batch_stats``."""
         if self.kind == "nnx":
-            model = self.nnx.merge(params, bn, None)
+            model = self._merge(params, bn, None)
             model.eval()
             return logits_of(model(x, **self._flag(False), **self._rngs(None, False)))
         collection = "bn_folded" if folded and self.folds else "batch_stats"
-        return logits_of(self.module.apply({"params": params, collection: bn}, x,
-                                           **self._flag(False)))
+        with self._split():
+            return logits_of(self.module.apply({"params": params, collection: bn}, x,
+                                               **self._flag(False)))
 
     def fold(self, params, batch_stats):
         """What the evaluation step reads: the folded BatchNorm tree
@@ -706,7 +730,9 @@ def as_network(model) -> Network:
 
     Args:
       model: a :class:`Network` (returned as is), a flax linen module, an
-        ``nnx.Module`` instance or a ``flax.nnx.bridge.ToLinen``.
+        ``nnx.Module`` instance, a ``flax.nnx.bridge.ToLinen``, or a list of
+        layers (linen modules and functions: ``nn.Sequential``; with an nnx
+        module among them: ``nnx.Sequential``).
 
     Raises:
       TypeError: anything else, naming its type and what trjax accepts.
@@ -715,9 +741,17 @@ def as_network(model) -> Network:
         return model
     import sys
     nnx = sys.modules.get("flax.nnx")
+    if isinstance(model, (list, tuple)) and model:  # a list of layers: a sequence
+        if nnx is not None and any(isinstance(m, nnx.Module) for m in model):
+            model = nnx.Sequential(*model)
+        else:
+            model = nn.Sequential(list(model))
     if nnx is not None and isinstance(model, (nnx.Module, nnx.bridge.ToLinen)):
         parts, call = _nnx_parts(model)
-        return Network(model, "nnx", dtype=jnp.float32, train_flag=_call_flag(call), nnx=parts,
+        # nnx.Sequential hands keyword arguments to its first layer only; nnx's own layers
+        # are switched by .train() / .eval(), so it gets no flag
+        flag = None if isinstance(model, nnx.Sequential) else _call_flag(call)
+        return Network(model, "nnx", dtype=jnp.float32, train_flag=flag, nnx=parts,
                        call_rngs=_call_rngs(call))
     if isinstance(model, nn.Sequential):  # every layer gets the flag it takes
         model = FlaggedSequential(layers=tuple(model.layers))

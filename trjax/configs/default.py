@@ -50,6 +50,9 @@ def get_config() -> ml_collections.ConfigDict:
     #                                1..S-1, e.g. "stage2_block1,stage3_block1"
     c.pipeline_schedule = "gpipe"  # "gpipe" or "1f1b" (stashes at most 2S-1 stage inputs)
     c.pipeline_remat = True        # gpipe: recompute each stage in the backward (1f1b always does)
+    c.tensor_plan = ""             # a 'model' mesh: "" (a built-in ResNet's own split) or the
+    #                                layers to split, "Conv_1=column,Conv_2=row,Dense_0=column"
+    #                                (module paths, '*' one component; trjax.tensor_plan)
     c.global_batch_size = 128
     c.eval_batch_size = 128        # global; must divide by the world size too
     # model

@@ -10,6 +10,7 @@ The one place that reads a mesh's axis names: ``data`` only is
 
 from __future__ import annotations
 
+from trjax import tensor_plan
 from trjax.parallel import fsdp, pipeline, tensor
 from trjax.parallel.layout import Layout, data_parallel
 
@@ -55,7 +56,7 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
     if fsdp.FSDP_AXIS in sizes:
         return fsdp.layout(model, world, image_shape, config.bn_mode, config.buckets)
     if "model" in sizes:
-        return tensor.layout(model, world, image_shape, config.bn_mode)
+        return tensor.layout(model, world, image_shape, config.bn_mode, config.tensor_plan)
     return data_parallel(model, world, image_shape, config.bn_mode)
 
 
@@ -94,7 +95,7 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
     c, sizes = config, mesh_sizes(config)
     stage, model = "stage" in sizes, "model" in sizes  # size 1 too: a GPU's 1 x 1 check
     sharded = fsdp.FSDP_AXIS in sizes
-    _check_pipeline_keys(c, stage)
+    _check_pipeline_keys(c, stage, model)
     if not (stage or model or sharded):
         return
     if stage and model:
@@ -106,9 +107,12 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
                          "is not supported yet; use 'data:D,fsdp:F' (or 'fsdp:F')")
     kind = ("an 'fsdp' axis" if sharded else
             "a 'stage' axis (pipeline)" if stage else "a 'model' axis (tensor parallel)")
-    if own_model and model:  # a stage axis splits a sequence too (pipeline.plan_stages)
-        raise ValueError(f"config.mesh={c.mesh!r}: {kind} splits trjax's own ResNets; "
-                         f"config.model={c.model!r} is your own model: use a built-in model "
+    if own_model and model and not str(c.tensor_plan).strip():  # a stage axis splits a
+        # sequence too (pipeline.plan_stages); a model axis splits by a tensor plan
+        raise ValueError(f"config.mesh={c.mesh!r}: {kind} splits your own model "
+                         f"(config.model={c.model!r}) by a tensor plan: set "
+                         "config.tensor_plan='<conv>=column,<next conv>=row,<head>=column' "
+                         "(module paths; trjax.tensor_plan), use a built-in model "
                          f"({sorted(builtin_models)}) or a mesh with the data axis only")
     # every axis past data splits leaves over its devices (fsdp and stage: every leaf; model:
     # layers), so the exchange is XLA's psum and a norm over a layer or all leaves (LARS,
@@ -134,8 +138,9 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
                              "the data axis only")
 
 
-def _check_pipeline_keys(c, stage: bool) -> None:
-    """The pipeline's own keys: well formed, and set only on a ``stage`` mesh."""
+def _check_pipeline_keys(c, stage: bool, model: bool) -> None:
+    """The pipeline's own keys and the tensor plan: well formed, and set only on a
+    ``stage`` / ``model`` mesh."""
     if stage and c.pipeline_schedule == "1f1b" and not c.pipeline_remat:
         raise ValueError("config.pipeline_remat=False applies to pipeline_schedule='gpipe': "
                          "1f1b always recomputes each stage in its backward slot; leave "
@@ -144,6 +149,12 @@ def _check_pipeline_keys(c, stage: bool) -> None:
     if starts.strip() and any(not b.strip() for b in starts.split(",")):
         raise ValueError(f"config.pipeline_stage_starts={starts!r} has an empty item: give "
                          "block names separated by commas, e.g. 'stage2_block1,stage3_block1'")
+    if str(c.tensor_plan).strip():
+        tensor_plan.parse(c.tensor_plan)
+        if not model:
+            raise ValueError(f"config.tensor_plan={c.tensor_plan!r} applies to a mesh with a "
+                             f"'model' axis (config.mesh={c.mesh!r}); set it to '' or use e.g. "
+                             "mesh='data:4,model:2'")
     if not stage:
         for key, off in (("pipeline_microbatches", 0), ("pipeline_stage_starts", ""),
                          ("pipeline_schedule", "gpipe"), ("pipeline_remat", True)):

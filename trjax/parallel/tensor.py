@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from trjax import models, tensor
+from trjax import models, tensor, tensor_plan
 from trjax.parallel.layout import Layout, check_bn_mode, data_forward_backward
 
 
@@ -24,40 +24,59 @@ def _rename_leaves(tree, rename):
     return tree
 
 
-def layout(model, world, image_shape, bn_mode: str = "sync") -> Layout:
-    """The tensor-parallel :class:`Layout` of a trjax ResNet on a world with a
-    ``model`` axis (:data:`trjax.tensor.TENSOR_AXIS`).
+def layout(model, world, image_shape, bn_mode: str = "sync", plan=None) -> Layout:
+    """The tensor-parallel :class:`Layout` on a world with a ``model`` axis
+    (:data:`trjax.tensor.TENSOR_AXIS`): a trjax ResNet split by its own blocks
+    (:func:`trjax.tensor.split_model`), or any flax model by a tensor plan
+    (:mod:`trjax.tensor_plan`; a ResNet given a plan takes that path too).
 
     Its optimizer state's specs come with :meth:`Layout.with_exchange` (the
     exchange is built from the bucket plan, which needs these local shapes).
 
     Args:
-      model: the unsplit :class:`trjax.models.Network` (or module) of a
-        :class:`trjax.models.ResNet`.
+      model: the unsplit :class:`trjax.models.Network` (or module).
       world: a world whose mesh has a ``model`` axis.
       image_shape: ``(H, W, C)``.
       bn_mode: ``running`` or ``sync`` (each device keeps the statistics of its
         own channels; the sums are reduced over ``data`` only).
+      plan: ``{pattern: "column" | "row"}`` or ``"pattern=role,..."``
+        (:func:`trjax.tensor_plan.parse`); ``None`` or empty: a ResNet's own split.
 
     Raises:
-      ValueError: not a trjax ResNet; ``bn_mode='local'``; a layer whose
-        channels (or the head's classes) do not divide by the axis size
-        (:func:`trjax.tensor.check_tensor_split`), before anything is traced.
+      ValueError: a model that is not a trjax ResNet without a plan (naming
+        its Conv/Dense layers); ``bn_mode='local'``; a layer whose channels (or
+        the head's classes) do not divide by the axis size, or a bad plan
+        (:func:`trjax.tensor_plan.resolve`), before anything is traced.
     """
     net = models.as_network(model)
-    if not isinstance(net.module, models.ResNet):
-        cls = type(net.module)
-        raise ValueError(f"a 'model' mesh axis splits trjax's own ResNets (Megatron, "
-                         f"trjax.models.ResNet); your model {cls.__module__}.{cls.__qualname__} "
-                         "is not one: use a built-in model or "
-                         "a mesh with the data axis only")
     check_bn_mode(bn_mode, ("running", "sync"), "a 'model' axis (tensor parallel)")
     sizes, axis = dict(world.axes), world.axis_name
-    split = tensor.split_model(net.module, tensor.TENSOR_AXIS, sizes[tensor.TENSOR_AXIS])
+    T = sizes[tensor.TENSOR_AXIS]
     variables = net.abstract_variables(image_shape)
-    p_specs = tensor.param_specs(variables["params"], split)
-    s_specs = tensor.stats_specs(variables["batch_stats"], split)
-    network = dataclasses.replace(net, module=split)
+    if plan or not isinstance(net.module, models.ResNet):
+        if not plan:
+            layers = sorted({"/".join(p) for p, kind, _, _ in tensor_plan.calls(net, image_shape)
+                             if kind == "layer"})
+            cls = type(net.module)
+            raise ValueError(f"a 'model' mesh axis splits a model by a tensor plan; your model "
+                             f"{cls.__module__}.{cls.__qualname__} has none: set "
+                             "config.tensor_plan='<conv>=column,<next conv>=row,<head>=column' "
+                             f"from its layers {layers[:24]}, or use a mesh with the data axis only")
+        roles = tensor_plan.resolve(net, plan, image_shape, T, tensor.TENSOR_AXIS)
+        network = dataclasses.replace(net, tensor_roles=roles, tensor_axis=tensor.TENSOR_AXIS,
+                                      tensor_size=T)
+        if isinstance(net.module, models.ResNet):  # unsplit blocks; the plan splits them
+            network = dataclasses.replace(network, module=net.module.clone(tensor_axis=None),
+                                          folds=False)
+        p_specs = tensor_plan.specs(variables["params"], roles)
+        s_specs = tensor_plan.specs(variables["batch_stats"], roles)
+        count = len([r for r in roles.values() if r != "channel"])
+    else:
+        split = tensor.split_model(net.module, tensor.TENSOR_AXIS, T)
+        p_specs = tensor.param_specs(variables["params"], split)
+        s_specs = tensor.stats_specs(variables["batch_stats"], split)
+        network = dataclasses.replace(net, module=split)
+        count = len(tensor.split_layers(split))
 
     def local_shapes(params, batch_stats):
         return (tensor.local_shapes(params, p_specs, sizes),
@@ -75,5 +94,5 @@ def layout(model, world, image_shape, bn_mode: str = "sync") -> Layout:
                   collective_labels={tensor.TENSOR_AXIS: {
                       "all-reduce": "tensor:Megatron f/g (partial sums of a split pair or the head)",
                       "all-gather": "tensor:head logits"}},
-                  line=f"tensor parallel: {sizes[tensor.TENSOR_AXIS]}-way over "
-                       f"'{tensor.TENSOR_AXIS}' ({len(tensor.split_layers(split))} layers split)")
+                  line=f"tensor parallel: {T}-way over '{tensor.TENSOR_AXIS}' ({count} layers "
+                       "split" + (", by the tensor plan)" if plan else ")"))

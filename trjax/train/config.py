@@ -90,6 +90,7 @@ KEYS = {
     "pipeline_stage_starts": Key("str"),  # checked by trjax.parallel.pipeline.plan_stages
     "pipeline_schedule": Key("choice", ("gpipe", "1f1b")),  # trjax.parallel.pipeline.SCHEDULES
     "pipeline_remat": Key("bool"),
+    "tensor_plan": Key("str", **_WHERE),  # checked by trjax.tensor_plan.parse / resolve
     "global_batch_size": Key("int", 1, **_MATCH),
     "eval_batch_size": Key("int", 1),
     # model

@@ -1,0 +1,329 @@
+"""A tensor plan: Megatron tensor parallelism for any flax CNN, keyed by module path.
+
+A plan names layers by module path, as torchtitan's ``parallelize_module``
+names them with ``ColwiseParallel`` / ``RowwiseParallel``::
+
+    {"Conv_1": "column", "Conv_2": "row", "Dense_0": "column"}
+    "layers_3=column,layers_6=row,layers_9=column"      # config.tensor_plan
+
+A pattern matches a path component by component (``*`` stands for one
+component, ``fnmatch`` syntax inside it: ``"stage3_block*/Conv_0"``). The
+layers a plan may name are flax's own ``nn.Conv`` / ``nn.Dense`` (linen) and
+``nnx.Conv`` / ``nnx.Linear`` (nnx). :func:`resolve` traces the model once,
+abstractly, and reads the call order:
+
+* a ``column`` layer (output channels split over the ``model`` axis) whose next
+  convolution or dense layer is a ``row`` one forms a Megatron pair (Shoeybi et
+  al., "Megatron-LM", arXiv 1909.08053, section 3): Megatron's ``f`` before the
+  column layer, ``g`` (one all-reduce) after the row layer, the row layer's
+  bias added once after it; the BatchNorms called between the two normalise
+  their local channels (role ``channel``; their statistics are reduced over
+  ``data`` only, as every BatchNorm's);
+* a ``column`` layer followed by anything else (the classifier) has its output
+  all-gathered (role ``head``: torchtitan's ``ColwiseParallel(output_layouts=
+  Replicate())``).
+
+Every other layer is replicated. The parameters are the unsplit model's, each
+device holding its slice (:func:`trjax.tensor.shard_tree` with
+:func:`param_specs`); the mappings are :func:`trjax.tensor.copy_to_model`,
+:func:`~trjax.tensor.reduce_from_model` and :func:`~trjax.tensor.gather_from_model`.
+Applying the plan is an interception of flax's own layers, as trjax already
+intercepts flax's BatchNorm: :func:`linen_interceptor` and
+:func:`swap_nnx_layers`. A built-in ResNet's split
+(:func:`trjax.tensor.split_layers`) is the same vocabulary:
+:func:`default_plan`.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Mapping
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from trjax import tensor
+from trjax.batchnorm import BatchNorm
+
+ROLES = ("column", "row")
+"""What a plan may say of a layer."""
+
+
+def parse(text) -> dict[str, str]:
+    """``{pattern: role}`` from a dict (returned checked) or ``config.tensor_plan``'s
+    ``"pattern=role,pattern=role"`` (``""``: no plan, ``{}``).
+
+    Raises:
+      ValueError: an item without ``=``, an empty pattern, or a role other than
+        :data:`ROLES`, naming the item and the form.
+    """
+    items = list(text.items()) if isinstance(text, Mapping) else [
+        tuple(p.strip() for p in item.split("=", 1)) if "=" in item else (item.strip(), None)
+        for item in str(text).split(",") if item.strip()]
+    out = {}
+    for pattern, role in items:
+        if not pattern or role not in ROLES:
+            raise ValueError(f"tensor plan item {pattern!r}: {role!r} is not one of {list(ROLES)}; "
+                             "write 'path/to/Conv_0=column,path/to/Conv_1=row' (module paths, "
+                             "'*' for one path component)")
+        out[str(pattern)] = role
+    return out
+
+
+def _matches(pattern: str, path: tuple) -> bool:
+    parts = pattern.strip("/").split("/")
+    return len(parts) == len(path) and all(
+        fnmatch.fnmatchcase(str(p), q) for p, q in zip(path, parts))
+
+
+def _kind(module) -> str | None:
+    """``"layer"`` (a layer a plan may split), ``"norm"`` (BatchNorm, which may
+    run on split channels), ``"mixes"`` (a norm over channels that may not) or
+    ``None``."""
+    import sys
+    nnx = sys.modules.get("flax.nnx")
+    if isinstance(module, (nn.Conv, nn.Dense)) or (
+            nnx is not None and isinstance(module, (nnx.Conv, nnx.Linear))):
+        return "layer"
+    if isinstance(module, (nn.BatchNorm, BatchNorm)) or (
+            nnx is not None and isinstance(module, nnx.BatchNorm)):
+        return "norm"
+    if isinstance(module, (nn.GroupNorm, nn.LayerNorm)) or (
+            nnx is not None and isinstance(module, (nnx.GroupNorm, nnx.LayerNorm))):
+        return "mixes"
+    return None
+
+
+def _width(module) -> int:
+    return int(getattr(module, "features", None) or getattr(module, "out_features"))
+
+
+# -- applying a resolved plan: flax's own layers intercepted ----------------------------------
+
+
+def _linen_split_call(mod, role: str, axis: str, size: int, args, kwargs):
+    """A linen ``nn.Conv`` / ``nn.Dense`` on this device's parameter slices: a
+    clone with the local output width (column) or without its bias (row; the
+    bias is added once, after ``g``), applied to the bound layer's own
+    parameters (flax checks a parameter's shape against the layer's fields)."""
+    own = dict(mod.variables["params"])
+    x, rest = args[0], args[1:]
+    if role in ("column", "head"):
+        local = mod.clone(parent=None, features=mod.features // size)
+        y = local.apply({"params": own}, tensor.copy_to_model(x, axis), *rest, **kwargs)
+        return tensor.gather_from_model(y, axis, -1) if role == "head" else y
+    bias = own.pop("bias", None)
+    y = mod.clone(parent=None, use_bias=False).apply({"params": own}, x, *rest, **kwargs)
+    y = tensor.reduce_from_model(y, axis)
+    return _add_bias(y, bias)
+
+
+def _add_bias(y, bias):
+    """``y + bias`` over the last (channel) dimension, as flax adds it."""
+    if bias is None:
+        return y
+    return y + bias.astype(y.dtype).reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def linen_interceptor(roles: Mapping[tuple, str], axis: str = tensor.TENSOR_AXIS,
+                      size: int = 1, record: list | None = None):
+    """A :func:`flax.linen.intercept_methods` interceptor that applies a resolved
+    plan (``{module path: role}``, :func:`resolve`) to flax's ``nn.Conv`` /
+    ``nn.Dense`` inside ``shard_map`` (``axis`` bound, of ``size`` devices;
+    ``channel`` BatchNorms need nothing: their parameters are already local).
+    ``record``: a list that gets ``(path, kind, module, input channels)`` of every
+    layer and norm call in call order (:func:`resolve`'s trace)."""
+    def intercept(next_fun, args, kwargs, context):
+        mod = context.module
+        if context.method_name != "__call__" or mod.is_initializing():
+            return next_fun(*args, **kwargs)
+        path = tuple(str(p) for p in mod.path)
+        if record is not None and _kind(mod) is not None:
+            record.append((path, _kind(mod), mod, int(args[0].shape[-1])))
+        role = roles.get(path)
+        if role in ("column", "head", "row"):
+            return _linen_split_call(mod, role, axis, size, args, kwargs)
+        return next_fun(*args, **kwargs)
+    return intercept
+
+
+def _nnx_split_call(base, self, role: str, axis: str, x, args, kwargs):
+    if role in ("column", "head"):
+        y = base(self, tensor.copy_to_model(x, axis), *args, **kwargs)
+        return tensor.gather_from_model(y, axis, -1) if role == "head" else y
+    bias, use = self.bias, self.use_bias
+    self.bias, self.use_bias = None, False
+    try:
+        y = base(self, x, *args, **kwargs)
+    finally:
+        self.bias, self.use_bias = bias, use
+    y = tensor.reduce_from_model(y, axis)
+    return _add_bias(y, None if bias is None else bias[...])
+
+
+def swap_nnx_layers(model, roles: Mapping[tuple, str], axis: str = tensor.TENSOR_AXIS,
+                    record: list | None = None) -> None:
+    """:func:`linen_interceptor` for an nnx model: every ``nnx.Conv`` /
+    ``nnx.Linear`` the plan splits (and, with ``record``, every layer and norm)
+    becomes, on this copy of the model (``nnx.merge`` inside the step), a
+    subclass whose ``__call__`` applies its role. nnx layers read their kernel's
+    shape from the array itself, so the local slices need no clone."""
+    from flax import nnx
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Module):
+            continue
+        key, kind = tuple(str(p) for p in path), _kind(node)
+        role = roles.get(key) if kind == "layer" else None
+        if role not in ("column", "head", "row") and record is None:
+            continue
+        if kind is None:
+            continue
+        base = type(node).__call__
+
+        def call(self, x, *args, _base=base, _role=role, _key=key, _kind=kind, **kwargs):
+            if record is not None:
+                record.append((_key, _kind, self, int(x.shape[-1])))
+            if _role is None:
+                return _base(self, x, *args, **kwargs)
+            return _nnx_split_call(_base, self, _role, axis, x, args, kwargs)
+        node.__class__ = type(type(node).__name__, (type(node),), {"__call__": call})
+
+
+# -- resolving a plan against a model's call order ---------------------------------------------
+
+
+def calls(net, image_shape) -> list[tuple]:
+    """Every convolution / dense layer and norm a :class:`trjax.models.Network`
+    calls on one ``image_shape`` example, in call order: ``(path, kind, module,
+    input channels)`` (traced abstractly in evaluation mode; nothing runs)."""
+    record: list = []
+    x = jax.ShapeDtypeStruct((1,) + tuple(image_shape), jnp.float32)
+    variables = net.abstract_variables(image_shape)
+
+    def run(v, x):
+        if net.kind == "nnx":
+            model = net.nnx.merge(v["params"], v["batch_stats"], None)
+            model.eval()
+            swap_nnx_layers(model, {}, record=record)
+            return model(x, **net._flag(False), **net._rngs(None, False))
+        with nn.intercept_methods(linen_interceptor({}, record=record)):
+            return net.module.apply({"params": v["params"], "batch_stats": v["batch_stats"]},
+                                    x, **net._flag(False))
+    jax.eval_shape(run, variables, x)
+    return record
+
+
+def _layer_list(layers) -> str:
+    names = ["/".join(p) for p in layers]
+    return ", ".join(names[:24]) + (f", ... ({len(names)} in all)" if len(names) > 24 else "")
+
+
+def _check_divides(path, what: str, n: int, size: int, axis: str) -> None:
+    if n % size:
+        ok = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(f"tensor plan: {'/'.join(path)} splits its {n} {what} over "
+                         f"'{axis}':{size}, which does not divide; the sizes that do are {ok}: "
+                         "change the plan or the model axis size")
+
+
+def resolve(net, plan, image_shape, size: int, axis: str = tensor.TENSOR_AXIS) -> dict:
+    """A plan's ``{module path tuple: role}`` for ``net``, checked, before any compile.
+
+    Args:
+      net: a :class:`trjax.models.Network` (linen or nnx).
+      plan: ``{pattern: "column" | "row"}`` or its string form (:func:`parse`).
+      image_shape: ``(H, W, C)`` of one example.
+      size: the ``model`` axis size T.
+
+    Returns:
+      ``{path: role}`` with roles ``column`` and ``row`` (a pair), ``channel``
+      (a BatchNorm between them) and ``head`` (a column layer whose output is
+      all-gathered, as no row layer follows it).
+
+    Raises:
+      ValueError: an empty plan; a pattern that names no ``Conv`` / ``Dense``
+        layer (listing the model's); a row layer that no column layer precedes;
+        a GroupNorm / LayerNorm (or a split layer) between a column and its row
+        layer; output channels (column) or input channels (row) that do not
+        divide by ``size``, naming the sizes that do.
+    """
+    plan = parse(plan)
+    if not plan:
+        raise ValueError("the tensor plan is empty: name the layers to split, e.g. "
+                         "'Conv_1=column,Conv_2=row,Dense_0=column'")
+    record = calls(net, image_shape)
+    layers = list(dict.fromkeys(p for p, kind, _, _ in record if kind == "layer"))
+    wanted = {}
+    for pattern, role in plan.items():
+        hits = [p for p in layers if _matches(pattern, p)]
+        if not hits:
+            raise ValueError(f"tensor plan: {pattern!r} names no Conv/Dense layer of the model; "
+                             f"its layers are {_layer_list(layers)}")
+        wanted.update({p: role for p in hits})
+    return _pair(record, wanted, size, axis)
+
+
+def _pair(record, wanted: dict, size: int, axis: str) -> dict:
+    """Walks the call order: each column layer with the row layer that follows it
+    (and the BatchNorms between), or alone (``head``)."""
+    out, column, norms = {}, None, []
+    for path, kind, mod, channels in record:
+        if column is not None:
+            if kind == "norm":
+                norms.append(path)
+                continue
+            if kind == "mixes":
+                raise ValueError(f"tensor plan: {'/'.join(path)} ({type(mod).__name__}) runs "
+                                 f"between the column layer {'/'.join(column)} and a row layer; "
+                                 "it normalises over channels, which are split there: only "
+                                 "BatchNorm may sit between a column and a row layer")
+            if wanted.get(path) == "row":
+                _check_divides(path, "input channels", channels, size, axis)
+                out.update({column: "column", path: "row", **{n: "channel" for n in norms}})
+                column, norms = None, []
+                continue
+            out[column], column, norms = "head", None, []
+        if kind != "layer":
+            continue
+        if wanted.get(path) == "column":
+            _check_divides(path, "output channels", _width(mod), size, axis)
+            column, norms = path, []
+        elif wanted.get(path) == "row":
+            raise ValueError(f"tensor plan: the row layer {'/'.join(path)} follows no column "
+                             "layer: a row layer's input channels are the output channels of "
+                             "the column layer called just before it")
+    if column is not None:
+        out[column] = "head"
+    return out
+
+
+def _leaf_spec(role, name: str, ndim: int, axis: str):
+    from jax.sharding import PartitionSpec as P
+    if role in ("column", "head") and name == "kernel":
+        return P(*([None] * (ndim - 1) + [axis]))
+    if role == "row" and name == "kernel":
+        return P(*([None] * (ndim - 2) + [axis, None]))
+    if role in ("column", "head", "channel") and ndim == 1:
+        return P(axis)
+    return P()
+
+
+def specs(tree, roles: Mapping[tuple, str], axis: str = tensor.TENSOR_AXIS):
+    """The ``PartitionSpec`` tree of ``tree`` (the parameters or the BatchNorm
+    statistics, full shapes) under resolved ``roles``: column kernels split on
+    their last (output) dimension and their biases split, row kernels on their
+    input dimension (biases replicated), a ``channel`` BatchNorm's vectors split;
+    every other leaf replicated."""
+    def spec(path, leaf):
+        keys = tensor._keys(path)
+        return _leaf_spec(roles.get(keys[:-1]), keys[-1], len(leaf.shape), axis)
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def default_plan(module) -> dict[str, str]:
+    """A built-in ResNet's split (:func:`trjax.tensor.split_layers`) as a plan:
+    ``{"stage3_block1/Conv_0": "column", "stage3_block1/Conv_1": "row", ...,
+    "head": "column"}``."""
+    return {"/".join(p): ("column" if r == "head" else r)
+            for p, r in tensor.split_layers(module).items() if r in ("column", "row", "head")}
