@@ -108,7 +108,10 @@ def test_pipelined_step_equals_gradient_accumulation(bn_mode, mesh, schedule, tr
     (dict(mesh="data:2,stage:2", grad_accumulation_steps=2),
      "the pipeline's micro-batches are its accumulation"),
     (dict(mesh="data:2,stage:2", mixup_alpha=0.2), "config.mixup_alpha=0.2"),
-    (dict(mesh="data:2,model:2", model="flax.linen:Dense"), "splits trjax's own ResNets"),
+    (dict(mesh="data:2,model:2", model="flax.linen:Dense"), "by a tensor plan: set "
+                                                            "config.tensor_plan="),
+    (dict(tensor_plan="Conv_0=column"), "applies to a mesh with a 'model' axis"),
+    (dict(mesh="data:2,model:2", tensor_plan="Conv_0=diagonal"), "'diagonal' is not one of"),
     (dict(mesh="data:2,model:2", optimizer="lars"), "config.optimizer='lars' is not supported "
                                                     "with a 'model' axis"),
     (dict(mesh="data:2,model:2", grad_clip_norm=1.0), "config.grad_clip_norm=1.0"),

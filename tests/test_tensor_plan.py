@@ -90,6 +90,23 @@ def test_a_plan_resolves_pairs_channels_and_the_head_by_call_order():
         ("layers", "9"): "head"}
 
 
+def test_a_list_of_layers_is_a_sequence():
+    """A list of linen layers is an nn.Sequential (each layer with the flag it takes), one
+    holding an nnx module an nnx.Sequential; the pipeline splits the former."""
+    from trjax.parallel import pipeline
+    net = models.as_network([nn.Conv(16, (3, 3)), nn.relu, Block(), Block(), Head()])
+    assert isinstance(net.module, models.FlaggedSequential) and len(net.module.layers) == 5
+    ref = models.as_network(linen_sequential())
+    x = np.random.default_rng(0).normal(size=(2, 8, 8, 1)).astype(np.float32)
+    v = ref.init(jax.random.key(0), (8, 8, 1))
+    np.testing.assert_array_equal(net.apply_eval(v["params"], v["batch_stats"], x),
+                                  ref.apply_eval(v["params"], v["batch_stats"], x))
+    assert pipeline.plan_stages(net.module, (8, 8, 1), 2).bounds == ((0, 3), (3, 5))
+    layers = list(nnx_sequential().layers)
+    n = models.as_network(layers)
+    assert n.kind == "nnx" and isinstance(n.module, nnx.Sequential) and n.train_flag is None
+
+
 @pytest.mark.parametrize("plan,size,match", [
     ("layers_9/Conv_0=column", 2, "names no Conv/Dense layer of the model; its layers are "
                                   "layers_0, layers_2/Conv_0"),
