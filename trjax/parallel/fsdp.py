@@ -182,9 +182,26 @@ def traffic(dims, params, size: int, itemsize: int = 4) -> dict:
             "params_bytes": (split + whole) * itemsize, "whole_leaves": whole}
 
 
-def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two") -> Layout:
+def combined_specs(dims, inner, axis: str):
+    """``PartitionSpec`` per leaf: ``inner``'s (e.g. the tensor plan's over ``model``)
+    with ``axis`` added on the leaf's dimension ``dims`` picks (:func:`shard_dims` of
+    the ``inner``-local shapes). On a dimension ``inner`` splits already the entry
+    becomes ``(inner's axis, axis)``: each ``inner`` slice is split again over
+    ``axis``, so an all-gather over ``axis`` gives back the ``inner`` slice."""
+    def one(d, spec):
+        if d is None:
+            return spec
+        entries = list(spec) + [None] * (d + 1 - len(spec))
+        e = entries[d]
+        entries[d] = axis if e is None else (tuple(e) if isinstance(e, tuple) else (e,)) + (axis,)
+        return P(*entries)
+    return jax.tree_util.tree_map(one, dims, inner, is_leaf=lambda x: x is None or isinstance(x, P))
+
+
+def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two",
+           base: Layout | None = None) -> Layout:
     """The FSDP :class:`Layout` on a world with an ``fsdp`` axis (its batch axes
-    ``world.axis_name == ("data", "fsdp")``).
+    ``world.axis_name == ("data", "fsdp")``), alone or over a tensor-parallel one.
 
     Args:
       model: a :class:`trjax.models.Network` or flax module (any model).
@@ -194,6 +211,11 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
         ``data x fsdp``).
       buckets: the MemoryPlan's bucket policy (``config.buckets``): one
         all-gather and one reduce-scatter per bucket.
+      base: the tensor-parallel layout of the same world
+        (:func:`trjax.parallel.tensor.layout`; mesh ``data:D,fsdp:F,model:T``) or
+        ``None``. With it, FSDP shards each device's ``model`` slice (its split
+        network, its specs over ``model`` combined with ``fsdp``,
+        :func:`combined_specs`): the all-gather over ``fsdp`` gives the slice back.
 
     Raises:
       ValueError: an unknown ``bn_mode``; a model none of whose parameters
@@ -201,36 +223,47 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
     """
     check_bn_mode(bn_mode, what="an 'fsdp' axis")
     net, axes = models.as_network(model), world.axis_name
-    size = dict(world.axes)[FSDP_AXIS]
+    sizes = dict(world.axes)
+    size = sizes[FSDP_AXIS]
     params = net.abstract_variables(image_shape)["params"]
-    dims = shard_dims(params, size)
+    inner = jax.tree_util.tree_map(lambda _: P(), params) if base is None else base.params
+    own = tensor.local_shapes(params, inner, sizes)  # a model slice (the whole leaf alone)
+    dims = shard_dims(own, size)
     flat_dims = jax.tree_util.tree_structure(params).flatten_up_to(dims)
     if size > 1 and all(d is None for d in flat_dims):
         raise ValueError(f"fsdp:{size}: no parameter of {type(net.module).__name__} has a "
                          f"dimension divisible by {size}, so nothing would be sharded; use a "
                          "smaller fsdp size or the data axis only")
-    specs = param_specs(dims)
-    local = lambda p, s: (tensor.local_shapes(p, specs, dict(world.axes)), s)  # noqa: E731
+    specs = combined_specs(dims, inner, FSDP_AXIS)
+    stats = (P(axes) if bn_mode == "local" else P()) if base is None else base.batch_stats
+    local = lambda p, s: (tensor.local_shapes(p, specs, sizes),  # noqa: E731
+                          s if base is None else tensor.local_shapes(s, stats, sizes))
+    network = net if base is None else base.network
     plan = build_plan(net, image_shape, buckets, local=local)
     groups, metrics_bucket = bucket_groups(plan), plan.metrics_slot[0]
     per_replica = bn_mode == "local"
-    t = traffic(dims, params, size)
+    t = traffic(dims, own, size)
     whole = [jax.tree_util.keystr(p) for (p, _), d in
              zip(jax.tree_util.tree_flatten_with_path(params)[0], flat_dims) if d is None]
+    labels = {FSDP_AXIS: {"all-gather": "fsdp:parameters (all-gather per bucket)",
+                          "reduce-scatter": "fsdp:gradients (reduce-scatter per bucket)",
+                          "all-reduce": "fsdp:non-finite flag"}}
+    line = (f"fsdp: parameters, gradients and optimizer state split {size}-way over "
+            f"'{FSDP_AXIS}' ({len(flat_dims) - len(whole)} of {len(flat_dims)} leaves; "
+            f"{len(whole)} small leaves whole); batch over data x fsdp")
     return Layout(
-        world=world, model=net, network=net, image_shape=tuple(image_shape), bn_mode=bn_mode,
-        forward_backward=functools.partial(fsdp_forward_backward, net, bn_mode, axes, dims,
+        world=world, model=net, network=network, image_shape=tuple(image_shape), bn_mode=bn_mode,
+        forward_backward=functools.partial(fsdp_forward_backward, network, bn_mode, axes, dims,
                                            groups, metrics_bucket, size),
-        grad_axes="data" if dict(world.axes)["data"] > 1 else (), bn_reduce_axes=axes if bn_mode == "running" else None,
-        per_replica_stats=per_replica, params=specs, batch_stats=P(axes) if per_replica else P(),
-        folded=P(axes) if per_replica else P(), check_vma=False, local_shapes=local,
-        kind="fsdp",
+        grad_axes="data" if sizes["data"] > 1 else (),
+        bn_reduce_axes=axes if bn_mode == "running" else None,
+        per_replica_stats=per_replica, params=specs, batch_stats=stats,
+        folded=(P(axes) if per_replica else P()) if base is None else base.folded,
+        check_vma=False, local_shapes=local,
+        kind="fsdp" if base is None else "fsdp+tensor",
         gather=functools.partial(gather, dims=dims, groups=groups, size=size),
-        finite_axes=FSDP_AXIS,
+        # a model rank holds its own slices too: every device skips or applies together
+        finite_axes=FSDP_AXIS if base is None else (FSDP_AXIS, tensor.TENSOR_AXIS),
         details={"fsdp_size": size, "fsdp_whole_leaves": whole, "fsdp_traffic_bytes": t},
-        collective_labels={FSDP_AXIS: {"all-gather": "fsdp:parameters (all-gather per bucket)",
-                                       "reduce-scatter": "fsdp:gradients (reduce-scatter per bucket)",
-                                       "all-reduce": "fsdp:non-finite flag"}},
-        line=f"fsdp: parameters, gradients and optimizer state split {size}-way over "
-             f"'{FSDP_AXIS}' ({len(flat_dims) - len(whole)} of {len(flat_dims)} leaves; "
-             f"{len(whole)} small leaves whole); batch over data x fsdp")
+        collective_labels=labels if base is None else {**base.collective_labels, **labels},
+        line=line if base is None else f"{line}; {base.line}")

@@ -41,11 +41,6 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
         stage starts), before anything is traced.
     """
     sizes = dict(world.axes)
-    if "stage" in sizes:
-        return pipeline.layout(model, world, image_shape, config.bn_mode,
-                               pipeline_microbatches(config, world),
-                               _stage_plan(config, world, model, image_shape),
-                               remat=config.pipeline_remat, schedule=config.pipeline_schedule)
     split = [a for a in (fsdp.FSDP_AXIS, "stage", "model") if a in sizes]
     if split and tx is not None:
         raise ValueError(f"tx= (your own optimizer) on config.mesh={config.mesh!r}: with a "
@@ -53,10 +48,21 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
                          "so a norm over a layer or all leaves (clipping, LARS) would be per "
                          "slice; use config.optimizer='sgd' or 'adamw', or a mesh without "
                          f"'{split[0]}'")
-    if fsdp.FSDP_AXIS in sizes:
-        return fsdp.layout(model, world, image_shape, config.bn_mode, config.buckets)
+    split_model = None  # the tensor-parallel layout the other axes compose over
     if "model" in sizes:
-        return tensor.layout(model, world, image_shape, config.bn_mode, config.tensor_plan)
+        split_model = tensor.layout(model, world, image_shape, config.bn_mode,
+                                    config.tensor_plan)
+    if "stage" in sizes:
+        return pipeline.layout(model, world, image_shape, config.bn_mode,
+                               pipeline_microbatches(config, world),
+                               _stage_plan(config, world, model, image_shape),
+                               remat=config.pipeline_remat, schedule=config.pipeline_schedule,
+                               base=split_model)
+    if fsdp.FSDP_AXIS in sizes:  # over the tensor-parallel layout when there is one
+        return fsdp.layout(model, world, image_shape, config.bn_mode, config.buckets,
+                           base=split_model)
+    if split_model is not None:
+        return split_model
     return data_parallel(model, world, image_shape, config.bn_mode)
 
 
@@ -98,14 +104,13 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
     _check_pipeline_keys(c, stage, model)
     if not (stage or model or sharded):
         return
-    if stage and model:
-        raise ValueError(f"config.mesh={c.mesh!r}: pipeline and tensor parallelism together "
-                         "(a 3-D mesh) are not supported yet; use 'data:D,stage:S' or "
-                         "'data:D,model:T'")
-    if sharded and (stage or model):
-        raise ValueError(f"config.mesh={c.mesh!r}: an 'fsdp' axis with a 'stage' or 'model' axis "
-                         "is not supported yet; use 'data:D,fsdp:F' (or 'fsdp:F')")
-    kind = ("an 'fsdp' axis" if sharded else
+    if sharded and stage:
+        raise ValueError(f"config.mesh={c.mesh!r}: an 'fsdp' axis with a 'stage' axis is not "
+                         "supported yet (a pipeline already splits every leaf over 'stage'); "
+                         "use 'data:D,stage:S[,model:T]' or 'data:D,fsdp:F[,model:T]'")
+    kind = ("a 'model' axis with an 'fsdp' axis" if sharded and model else
+            "a 'model' axis with a 'stage' axis" if stage and model else
+            "an 'fsdp' axis" if sharded else
             "a 'stage' axis (pipeline)" if stage else "a 'model' axis (tensor parallel)")
     if own_model and model and not str(c.tensor_plan).strip():  # a stage axis splits a
         # sequence too (pipeline.plan_stages); a model axis splits by a tensor plan
@@ -124,7 +129,7 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
              ("optimizer", c.optimizer in ("sgd", "adamw"),
               "'sgd' or 'adamw' (LARS's per-layer norm would be per shard)"),
              ("grad_clip_norm", not c.grad_clip_norm, "0 (the global norm would be per shard)")]
-    if not sharded:
+    if stage or model:
         wants.insert(0, ("bn_mode", c.bn_mode in ("running", "sync"), "'running' or 'sync'"))
     if stage:
         wants += [("grad_accumulation_steps", c.grad_accumulation_steps == 1,

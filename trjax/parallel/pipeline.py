@@ -49,6 +49,7 @@ micro-batch with its own statistics in both).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -59,6 +60,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from trjax import comm, models, tensor
 from trjax.batchnorm import BatchNormContext, linen_interceptor
@@ -328,7 +330,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     if select is None:
         select = lambda k, p: _subtree(p, plan.names(k))  # noqa: E731
     run_stage = _stage_runner(stage_modules(net.module, plan), plan, batch_stats, bn_mode,
-                              data_axis, remat, rules, select, rng)
+                              data_axis, remat, rules, select, rng, net._split)
     lp = _loop(net, batch, params, run_stage, S, M, bn_mode, (data_axis, stage_axis),
                bubble_fill)
     branches = [_forward_branch(k, run_stage, lp, loss_fn, label_smoothing) for k in range(S)]
@@ -361,20 +363,21 @@ def _check_schedule(module, bn_mode: str, rows: int, M: int, S: int, schedule: s
 
 
 def _stage_runner(mods, plan: StagePlan, batch_stats, bn_mode: str, data_axis: str,
-                  remat: bool, rules: dict, select, rng=None):
+                  remat: bool, rules: dict, select, rng=None, split=contextlib.nullcontext):
     """``run_stage(k, params, x_in, mask, j) -> (y, bn_sums)``: stage ``k``'s module on
     its own subtrees (``select(k, params)``; ``jax.checkpoint``-ed with ``remat``) for
     micro-batch ``j``, whose random streams come from ``fold_in(rng, j)`` as under
     gradient accumulation (:func:`trjax.objective.forward_backward`; a layer's key
     folds in its own path, the same in a stage as in the whole model); every
-    BatchNorm's running rule lands in ``rules``."""
+    BatchNorm's running rule lands in ``rules``; ``split``: the tensor plan's interception
+    (:meth:`trjax.models.Network._split`), a null context without one."""
     def run_stage(k, p, x_in, mask, j=0):
         names = plan.names(k)
         ctx = BatchNormContext(bn_mode, data_axis, mask)
 
         def call(p, x_in, mask, j):
             rngs = None if rng is None else models._linen_rngs(jax.random.fold_in(rng, j))
-            with nn.intercept_methods(linen_interceptor(ctx)):
+            with nn.intercept_methods(linen_interceptor(ctx)), split():
                 y, new = mods[k].apply(
                     {"params": select(k, p), "batch_stats": _subtree(batch_stats, names)},
                     x_in, train=True, mutable=["batch_stats", "bn_sums"], rngs=rngs)
@@ -713,7 +716,7 @@ def boundary_traffic(module, image_shape, stages: StagePlan, num_microbatches: i
 
 def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches: int = 0,
            stages: StagePlan | None = None, remat: bool = True,
-           schedule: str = "gpipe") -> Layout:
+           schedule: str = "gpipe", base: Layout | None = None) -> Layout:
     """The pipeline :class:`Layout` on a ``("data", "stage")`` world.
 
     Stage-owned parameters (design v2, :mod:`trjax.parallel.stage_owned`): every
@@ -740,6 +743,11 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
       stages: the split (:func:`check_pipeline`); ``None``: balanced by MACs.
       remat: GPipe: recompute each stage in the backward (store its inputs only).
       schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
+      base: the tensor-parallel layout of the same world
+        (:func:`trjax.parallel.tensor.layout`; mesh ``data:D,stage:S,model:T``) or
+        ``None``. With it the stages run its split network, and each device's
+        ``model`` slice of a leaf is what is split over ``stage`` and gathered
+        (:func:`trjax.parallel.fsdp.combined_specs`).
 
     Raises:
       ValueError: ``bn_mode`` other than running/sync, a world without a
@@ -767,11 +775,15 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
                       f"{MIN_BN_ROWS}) or a larger global batch"
                       + (", or bn_mode='sync'" if bn_mode == "running" else ""), stacklevel=2)
     params = net.abstract_variables(image_shape)["params"]
-    dims = fsdp.shard_dims(params, S)
-    specs = fsdp.param_specs(dims, "stage")
-    packing = StageRows.build(params, dims, [stages.names(k) for k in range(S)])
-    fb = functools.partial(_forward_backward, net, stages, M, bn_mode, data, S, remat, schedule,
-                           packing)
+    inner = jax.tree_util.tree_map(lambda _: P(), params) if base is None else base.params
+    own = tensor.local_shapes(params, inner, sizes)  # a model slice (the whole leaf alone)
+    dims = fsdp.shard_dims(own, S)
+    specs = fsdp.combined_specs(dims, inner, "stage")
+    stats = P() if base is None else base.batch_stats
+    packing = StageRows.build(own, dims, [stages.names(k) for k in range(S)])
+    network = net if base is None else base.network
+    fb = functools.partial(_forward_backward, network, stages, M, bn_mode, data, S, remat,
+                           schedule, packing)
     everything = [("all", list(range(len(packing.shapes))))]  # the evaluation's one all-gather
     line = (f"pipeline: {S} stages x {M} micro-batches ({schedule}; BatchNorm over {rows} "
             f"rows), stage MAC shares "
@@ -780,16 +792,22 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
             + ", ".join(stages.blocks[lo] for lo, _ in stages.bounds))
     traffic = functools.partial(boundary_traffic, net.module, tuple(image_shape), stages, M,
                                 world.local_batch_size)
-    return Layout(world=world, model=net, network=net, image_shape=tuple(image_shape),
+    return Layout(world=world, model=net, network=network, image_shape=tuple(image_shape),
                   bn_mode=bn_mode, forward_backward=fb,
                   grad_axes="data" if sizes["data"] > 1 else (),
                   bn_reduce_axes=(data, "stage") if bn_mode == "running" else "stage",
-                  params=specs, check_vma=False,
-                  local_shapes=lambda p, s: (tensor.local_shapes(p, specs, sizes), s),
+                  params=specs, batch_stats=stats,
+                  folded=P() if base is None else base.folded, check_vma=False,
+                  local_shapes=lambda p, s: (tensor.local_shapes(p, specs, sizes),
+                                             tensor.local_shapes(s, stats, sizes)),
                   gather=functools.partial(fsdp.gather, dims=dims, groups=everything, size=S,
                                            axis_name="stage"),
-                  finite_axes="stage", kind="pipeline", line=line, point_to_point=traffic,
-                  collective_labels={"stage": {
+                  finite_axes="stage" if base is None else ("stage", tensor.TENSOR_AXIS),
+                  kind="pipeline" if base is None else "pipeline+tensor",
+                  line=line if base is None else f"{line}; {base.line}",
+                  point_to_point=traffic,
+                  collective_labels={**({} if base is None else base.collective_labels),
+                                     "stage": {
                       "collective-permute": "pipeline:boundary activation / cotangent",
                       "all-to-all": "pipeline:stage-owned parameters / gradients",
                       "all-gather": "pipeline:parameters for the evaluation",

@@ -1,0 +1,167 @@
+"""Axes compose (issue 39, item 1): a 3-D mesh is the tensor-parallel layout with FSDP or the
+pipeline laid over it (trjax.parallel.mesh.from_config), not a path of its own.
+
+The oracles. data:2,fsdp:2,model:2 gives each of its 4 batch ranks (data x fsdp) the rows of
+data:4's rank of the same index, and the model pairs compute the same sums split over two
+devices: one step lands within helpers' one-step reordered-sum bound of data:4's.
+data:2,stage:2,model:2 with M micro-batches groups each data rank's rows as data:2 with
+grad_accumulation_steps = M does (the pipeline's oracle, tests/test_pipeline_step.py)."""
+from collections import Counter
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import assert_within_bound_except_still, put_like, small_config, to_host
+from test_tensor_plan import LINEN_PLAN, linen_sequential
+from trjax import comm
+from trjax.data import input_pipeline as ip
+from trjax.train import config as config_lib
+from trjax.train import trainer
+
+GLOBAL = 32
+
+
+def _config(mesh, **kw):
+    devices = str(np.prod([int(a.split(":")[1]) for a in mesh.split(",")]))
+    return small_config(devices=devices, mesh=mesh, global_batch_size=GLOBAL,
+                        eval_batch_size=GLOBAL, momentum=0.0, weight_decay=0.0,
+                        warmup_epochs=0, **kw)
+
+
+@pytest.fixture(scope="module")
+def trainers():
+    """``get(mesh, model=None, **config)``: each trainer set up once for the module."""
+    made, data = {}, ip.load_digits()
+
+    def get(mesh, model=None, **kw):
+        key = (mesh, model, tuple(sorted(kw.items())))
+        if key not in made:
+            made[key] = trainer.setup(_config(mesh, **kw), data,
+                                      model=None if model is None else model())
+        return made[key]
+    return get
+
+
+def _one_step(tr):
+    data = ip.load_digits()
+    batch = {"image": data.train.images[:GLOBAL], "label": data.train.labels[:GLOBAL],
+             "mask": np.ones(GLOBAL, np.float32)}
+    start = to_host(tr.state)
+    after, m = tr.train_step(put_like(start, tr.state),
+                             ip.to_device(batch, tr.world.sharded(), 10))
+    return start, to_host(after), to_host(m)
+
+
+def _assert_step_equal(tr, ref):
+    """One step of ``tr`` from the same initial state as ``ref`` lands within the bound
+    of ``ref``'s; the metrics and the evaluation of the same state agree."""
+    s1, a1, m1 = _one_step(tr)
+    s0, a0, m0 = _one_step(ref)
+    for a, b in zip(jax.tree_util.tree_leaves(s0), jax.tree_util.tree_leaves(s1)):
+        np.testing.assert_array_equal(a, b)
+    worst = assert_within_bound_except_still((a1.params, a1.batch_stats),
+                                             (a0.params, a0.batch_stats),
+                                             (s0.params, s0.batch_stats), GLOBAL)
+    assert m1.count == m0.count == GLOBAL and m1.top1 == m0.top1
+    np.testing.assert_allclose(m1.loss_sum, m0.loss_sum, rtol=1e-5)
+    va = trainer.evaluate_pass(tr, put_like(a0, tr.state))
+    vb = trainer.evaluate_pass(ref, put_like(a0, ref.state))
+    assert va["count"] == vb["count"]
+    np.testing.assert_allclose(va["sums"], vb["sums"], rtol=1e-4)
+    return worst
+
+
+@pytest.mark.parametrize("bn_mode", ["running", "sync"])
+def test_fsdp_over_tensor_parallel_equals_data_parallel(bn_mode, trainers):
+    """ResNet-8 on data:2,fsdp:2,model:2: each device holds an fsdp shard of its model
+    slice (a split dimension carries ('model', 'fsdp')), gathers it over fsdp, runs the
+    split network; one step against data:4 within the bound."""
+    tr = trainers("data:2,fsdp:2,model:2", bn_mode=bn_mode)
+    assert tr.layout.kind == "fsdp+tensor" and tr.world.data_size == 4
+    specs = [x.sharding.spec for x in jax.tree_util.tree_leaves(tr.state.params)]
+    assert sum(("model", "fsdp") in tuple(s) for s in specs) >= 1
+    assert sum("model" in tuple(s) for s in specs) >= 2  # the row kernel: model and fsdp apart
+    worst = _assert_step_equal(tr, trainers("data:4", bn_mode=bn_mode))
+    print(f"data:2,fsdp:2,model:2 {bn_mode}: worst leaf / bound {worst:.3g}")
+
+
+@pytest.mark.parametrize("schedule,bn_mode", [("gpipe", "running"), ("1f1b", "sync")])
+def test_pipeline_over_tensor_parallel_equals_accumulation(schedule, bn_mode, trainers):
+    """ResNet-8 on data:2,stage:2,model:2 (M = 4): the stages run the split network; one
+    step against data:2 with grad_accumulation_steps = 4 within the bound."""
+    tr = trainers("data:2,stage:2,model:2", bn_mode=bn_mode, pipeline_microbatches=4,
+                  pipeline_schedule=schedule)
+    assert tr.layout.kind == "pipeline+tensor"
+    worst = _assert_step_equal(tr, trainers("data:2", bn_mode=bn_mode, grad_accumulation_steps=4))
+    print(f"data:2,stage:2,model:2 {schedule} {bn_mode}: worst leaf / bound {worst:.3g}")
+
+
+def test_your_own_sequential_on_stage_and_model_axes(trainers):
+    """A linen nn.Sequential CNN (flax BatchNorm in the split pairs, Dropout before the split
+    head) on data:2,stage:2,model:2 with a tensor plan: the pipeline's accumulation oracle,
+    dropout keys included."""
+    tr = trainers("data:2,stage:2,model:2", linen_sequential, bn_mode="running",
+                  pipeline_microbatches=2, tensor_plan=LINEN_PLAN)
+    assert tr.layout.network.tensor_roles
+    ref = trainers("data:2", linen_sequential, bn_mode="running", grad_accumulation_steps=2)
+    worst = _assert_step_equal(tr, ref)
+    print(f"nn.Sequential on data:2,stage:2,model:2: worst leaf / bound {worst:.3g}")
+
+
+def test_the_collectives_of_a_3d_mesh_by_axis_and_trip_count(trainers):
+    """data:2,stage:2,model:2 (gpipe, M = 4, so the tick loop runs M + S - 1 = 5 times):
+    over 'model' the split block's g and f and the head's f inside the loop, and the logits'
+    all-gather; over 'stage' the two all-to-alls of the stage-owned parameters and the
+    boundary permutes (one each way) in the loop; over 'data' the two buckets; the BN sums
+    over data x stage and the non-finite flag over stage x model, once each."""
+    tr = trainers("data:2,stage:2,model:2", bn_mode="running", pipeline_microbatches=4,
+                  pipeline_schedule="gpipe")
+    cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
+    got = Counter((comm.axis_of(c, tr.world.mesh), c["kind"], c["trip_count"]) for c in cols)
+    assert got == Counter({
+        ("model", "all-reduce", 5): 3, ("model", "all-gather", 5): 1,
+        ("stage", "all-to-all", 1): 2, ("stage", "collective-permute", 5): 2,
+        ("data", "all-reduce", 1): 2, (("data", "stage"), "all-reduce", 1): 1,
+        (("stage", "model"), "all-reduce", 1): 1}), got
+    data = [c["elements"] for c in cols if comm.axis_of(c, tr.world.mesh) == "data"]
+    assert data == [tr.plan.bucket_elements["deep"], tr.plan.bucket_elements["first"]]
+
+
+@pytest.mark.parametrize("mesh,needle", [
+    ("data:1,fsdp:2,stage:2,model:2", "an 'fsdp' axis with a 'stage' axis is not supported"),
+    ("data:2,fsdp:2,stage:2", "an 'fsdp' axis with a 'stage' axis is not supported"),
+])
+def test_a_combination_that_cannot_work_is_an_error_before_compiling(mesh, needle):
+    with pytest.raises(ValueError, match=needle):
+        config_lib.validate(small_config(mesh=mesh))
+    c = small_config(mesh="data:2,stage:2,model:2", optimizer="lars")
+    with pytest.raises(ValueError, match="config.optimizer='lars' is not supported with a "
+                                         "'model' axis with a 'stage' axis"):
+        config_lib.validate(c)
+
+
+@pytest.mark.job
+def test_3d_resume_is_bitwise_and_checkpoints_move_between_meshes(tmp_path):
+    """data:2,stage:2,model:2 halted at step 6 and resumed is bitwise the run that never
+    stopped; its checkpoint restores onto data:2,fsdp:2,model:2 and data:8 with every leaf
+    bitwise, and a data:2,fsdp:2,model:2 checkpoint back onto data:2,stage:2,model:2."""
+    from trjax.train import train_and_evaluate
+    bits = lambda tree: [np.asarray(x).tobytes() for x in jax.tree_util.tree_leaves(to_host(tree))]
+    cfg = dict(devices="8", num_epochs=1, checkpoint_every_steps=4, pipeline_microbatches=4)
+    three = dict(cfg, mesh="data:2,stage:2,model:2")
+    full, s_full = train_and_evaluate(small_config(**three), str(tmp_path / "full"))
+    train_and_evaluate(small_config(halt_after_steps=6, **three), str(tmp_path / "cut"))
+    resumed, s_res = train_and_evaluate(small_config(**three), str(tmp_path / "cut"))
+    assert s_res["steps"] == s_full["steps"] == 12
+    for name in ("params", "batch_stats", "opt_state"):
+        assert bits(getattr(resumed, name)) == bits(getattr(full, name)), name
+    assert s_res["val_top1"] == s_full["val_top1"]
+    other = dict(devices="8", num_epochs=1, checkpoint_every_steps=4)
+    for mesh in ("data:2,fsdp:2,model:2", ""):  # read the 3-D checkpoint at its last step
+        moved, s = train_and_evaluate(small_config(mesh=mesh, **other), str(tmp_path / "full"))
+        assert s["steps"] == 12
+        for name in ("params", "batch_stats", "opt_state"):
+            assert bits(getattr(moved, name)) == bits(getattr(full, name)), (mesh, name)
+    back, _ = train_and_evaluate(small_config(**three), str(tmp_path / "full"))
+    assert bits(back.params) == bits(full.params)
