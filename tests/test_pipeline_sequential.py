@@ -112,3 +112,32 @@ class Plain(nn.Module):  # a CNN written as one __call__: no layers to cut betwe
     @nn.compact
     def __call__(self, x, train: bool = False):
         return nn.Dense(10)(Block()(nn.Conv(16, (3, 3))(x), train).mean(axis=(1, 2)))
+
+
+def test_an_nnx_sequential_pipelined_step_equals_gradient_accumulation():
+    """An nnx.Sequential CNN (nnx.BatchNorm, an nnx.Dropout with its own stream) on
+    data:2,stage:4 (M = 4) against data:2 with grad_accumulation_steps = 4: each stage merges
+    the model from its own layers, so BatchNorm paths and dropout streams are the whole
+    model's; one step within the bound, the evaluation's sums equal. The same model without
+    dropout gives another loss (the masks reached the pipeline)."""
+    from test_compose import _assert_step_equal, _config
+    from test_tensor_plan import nnx_sequential
+    from trjax.data import input_pipeline as ip
+    data = ip.load_digits()
+    pp = trainer.setup(_config("data:2,stage:4", bn_mode="running", pipeline_microbatches=4),
+                       data, model=nnx_sequential())
+    plan = pp.layout.describe()["pipeline_stage_shares"]
+    assert len(plan) == 4 and pp.layout.line.endswith("layers/0, layers/2, layers/3, layers/5")
+    dp = trainer.setup(_config("data:2", bn_mode="running", grad_accumulation_steps=4), data,
+                       model=nnx_sequential())
+    worst = _assert_step_equal(pp, dp)
+    print(f"nnx.Sequential on data:2,stage:4: worst leaf / bound {worst:.3g}")
+    quiet = nnx_sequential()
+    quiet.layers[9].rate = 0.0
+    nd = trainer.setup(_config("data:2", bn_mode="running", grad_accumulation_steps=4), data,
+                       model=quiet)
+    batch = {"image": data.train.images[:GLOBAL], "label": data.train.labels[:GLOBAL],
+             "mask": np.ones(GLOBAL, np.float32)}
+    losses = [float(to_host(t.train_step(t.state, ip.to_device(batch, t.world.sharded(), 10))[1])
+                    .loss_sum) for t in (dp, nd)]
+    assert not np.isclose(*losses, rtol=1e-6), losses

@@ -59,10 +59,10 @@ def nnx_sequential():
         nnx.Conv(1, 16, (3, 3), rngs=r), nnx.relu,
         nnx.Conv(16, 32, (3, 3), rngs=r), nnx.BatchNorm(32, rngs=r), nnx.relu,
         nnx.Conv(32, 16, (3, 3), rngs=r), nnx.BatchNorm(16, rngs=r), nnx.relu,
-        Pool(), nnx.Linear(16, 10, rngs=r))
+        Pool(), nnx.Dropout(0.3, rngs=r), nnx.Linear(16, 10, rngs=r))
 
 
-NNX_PLAN = "layers/2=column,layers/5=row,layers/9=column"
+NNX_PLAN = "layers/2=column,layers/5=row,layers/10=column"
 
 
 def _config(devices, mesh="", **kw):
@@ -87,7 +87,7 @@ def test_a_plan_resolves_pairs_channels_and_the_head_by_call_order():
     n = models.as_network(nnx_sequential())
     assert tensor_plan.resolve(n, NNX_PLAN, (8, 8, 1), 2) == {
         ("layers", "2"): "column", ("layers", "3"): "channel", ("layers", "5"): "row",
-        ("layers", "9"): "head"}
+        ("layers", "10"): "head"}
 
 
 def test_a_list_of_layers_is_a_sequence():

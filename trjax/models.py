@@ -724,6 +724,96 @@ class Network:
         return fold_batchnorm_tree(params, batch_stats) if self.folds else batch_stats
 
 
+def _complete(sub, template):
+    """``sub`` (the subtrees of some layers) completed with zeros of ``template``'s
+    leaves (shapes and dtypes) for the rest: inputs no computation reads, which XLA
+    drops."""
+    if isinstance(template, dict):
+        sub = sub if isinstance(sub, dict) else {}
+        return {k: _complete(sub.get(k), v) for k, v in template.items()}
+    return sub if sub is not None else jnp.zeros(template.shape, template.dtype)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class NNXSequence:
+    """An ``nnx.Sequential`` as a pipeline splits it (torchgpipe's sequence contract):
+    layer ``i`` is the unit ``"layers/i"`` (its parameters ``params["layers"][i]``), and
+    ``span=(lo, hi)`` runs ``layers[lo:hi]`` only (a pipeline stage).
+
+    A stage merges the model from its own layers' values (the other layers' leaves
+    zeros nothing reads), so every BatchNorm's path and every layer's own random
+    stream (an ``nnx.Dropout(..., rngs=...)``) are the whole model's: a stage draws
+    the masks the unsplit model draws. A call-time ``rngs`` stream (``nnx.Sequential``
+    hands it to the layers that take one) starts afresh in each stage.
+    """
+    net: "Network"
+    span: Optional[tuple] = None
+
+    @property
+    def layers(self):
+        return self.net.module.layers
+
+    def clone(self, span=None) -> "NNXSequence":
+        return dataclasses.replace(self, span=span)
+
+    def layer_costs(self, image_shape: tuple) -> list[dict]:
+        """As :meth:`FlaggedSequential.layer_costs`: per layer ``{"name": "layers/i",
+        "flops", "out_shape"}`` from XLA's cost analysis of the layer alone."""
+        x = jax.ShapeDtypeStruct((1,) + tuple(image_shape), jnp.float32)
+        v = self.net.abstract_variables(image_shape)
+        out = []
+        for i in range(len(self.layers)):
+            def call(v, x, i=i):
+                model = self.net.nnx.merge(v["params"], v["batch_stats"], None)
+                model.eval()
+                return model.layers[i](x)
+            cost = jax.jit(call).lower(v, x).cost_analysis() or {}
+            x = jax.eval_shape(call, v, x)
+            out.append({"name": f"layers/{i}", "flops": float(cost.get("flops", 0.0)),
+                        "out_shape": tuple(x.shape[1:])})
+        return out
+
+    def apply_span(self, params, batch_stats, x, ctx: BatchNormContext, rng=None):
+        """Training forward of ``layers[lo:hi]`` on ``x``: ``(y, bn_sums)`` as
+        :meth:`Network.apply_train` (``params`` / ``batch_stats``: the span's layers'
+        subtrees at least)."""
+        from flax import nnx
+        lo, hi = self.span if self.span is not None else (0, len(self.layers))
+        tp, ts = (nnx.to_pure_dict(t) for t in self.net.nnx.templates[:2])
+        model = self.net._merge(_complete(params, tp), _complete(batch_stats, ts), rng)
+        swap_nnx_batchnorms(model, ctx)
+        model.train()
+        rngs = self.net._rngs(rng, True).get("rngs")
+        with nnx_context(ctx):
+            for layer in list(model.layers)[lo:hi]:
+                takes = rngs is not None and "rngs" in _keyword_args(layer)
+                x = layer(x, **({"rngs": rngs} if takes else {}))
+        return x, _nest(ctx.sums, "sums")
+
+
+def _keyword_args(fn) -> set:
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def splittable(model):
+    """What a pipeline splits of ``model`` (a :class:`Network` or a module): a
+    :class:`ResNet`, a :class:`FlaggedSequential` (a linen ``nn.Sequential``), an
+    :class:`NNXSequence` (an ``nnx.Sequential``), or the module itself (which the
+    pipeline then refuses, naming how to write it as a sequence)."""
+    import sys
+    nnx = sys.modules.get("flax.nnx")
+    if not isinstance(model, Network):
+        if nnx is not None and isinstance(model, nnx.Sequential):
+            return NNXSequence(as_network(model))
+        return model
+    if model.kind == "nnx" and nnx is not None and isinstance(model.module, nnx.Sequential):
+        return NNXSequence(model)
+    return model.module
+
+
 def as_network(model) -> Network:
     """A :class:`Network` for ``model`` with default input handling (no
     standardisation; the cast to the module's ``dtype``, float32 if it has none).

@@ -73,7 +73,7 @@ def _stage_plan(config, world, model, image_shape) -> pipeline.StagePlan:
     what = (f"config.pipeline_microbatches={M}" if config.pipeline_microbatches else
             f"config.pipeline_microbatches=0 (the default for {S} stages: {M})")
     return pipeline.check_pipeline(
-        model.module, image_shape, S, world.local_batch_size, M, starts or None, what=what,
+        model, image_shape, S, world.local_batch_size, M, starts or None, what=what,
         starts_what=f"config.pipeline_stage_starts={config.pipeline_stage_starts!r}")
 
 

@@ -69,7 +69,7 @@ from trjax.metrics import batch_metrics
 from trjax.objective import StepOptions, example_losses
 from trjax.parallel import fsdp
 from trjax.parallel.layout import Layout, check_bn_mode
-from trjax.parallel.stage_owned import StageRows
+from trjax.parallel.stage_owned import StageRows, subtree
 
 
 # -- the stages: contiguous runs of residual blocks ---------------------------------------
@@ -148,7 +148,9 @@ class StagePlan:
         return names
 
 
-SPLITTABLE = "trjax's ResNets (trjax.models.ResNet) or a sequence of layers (flax nn.Sequential)"
+SPLITTABLE = ("trjax's ResNets (trjax.models.ResNet) or a sequence of layers (flax nn.Sequential, "
+              "nnx.Sequential or a list of layers)")
+SEQUENCES = (models.FlaggedSequential, models.NNXSequence)
 
 
 def _units(module, image_shape) -> tuple[list[str], list[float], dict]:
@@ -165,14 +167,14 @@ def _units(module, image_shape) -> tuple[list[str], list[float], dict]:
 def _check_splittable(module) -> None:
     """Raises ``ValueError`` unless a pipeline can split ``module`` (a ResNet or a
     sequence), naming the way to write another model as a sequence."""
-    if isinstance(module, (models.ResNet, models.FlaggedSequential)):
+    if isinstance(module, (models.ResNet,) + SEQUENCES):
         return
     cls = type(module)
     raise ValueError(f"a 'stage' mesh axis splits {SPLITTABLE} into stages; your model "
                      f"{cls.__module__}.{cls.__qualname__} is neither: write it as "
-                     "nn.Sequential([...]) of layers that each take one array (a residual "
-                     "block is one layer; each gets the training flag it takes), use a built-in "
-                     "ResNet, or a mesh without 'stage'")
+                     "nn.Sequential([...]) (or nnx.Sequential(...), or a list) of layers that "
+                     "each take one array (a residual block is one layer; each gets the "
+                     "training flag it takes), use a built-in ResNet, or a mesh without 'stage'")
 
 
 def plan_stages(module, image_shape: Sequence[int], num_stages: int,
@@ -200,7 +202,7 @@ def plan_stages(module, image_shape: Sequence[int], num_stages: int,
         :func:`balanced_split`; ``starts`` of the wrong length, naming an unknown
         block or the first block, or out of order.
     """
-    names, costs, extra = _units(module, image_shape)
+    names, costs, extra = _units(models.splittable(module), image_shape)
     if starts is None:
         bounds = balanced_split(costs, num_stages)
     else:
@@ -230,6 +232,7 @@ def stage_modules(module, plan: StagePlan) -> list[nn.Module]:
     the last; ``FlaggedSequential(span=(lo, hi))``); each reads the whole
     model's parameter / ``batch_stats`` paths of the names it owns
     (:meth:`StagePlan.names`)."""
+    module = models.splittable(module)
     key = "blocks" if isinstance(module, models.ResNet) else "span"
     return [module.clone(**{key: (lo, hi)}) for lo, hi in plan.bounds]
 
@@ -242,8 +245,6 @@ SCHEDULES = ("gpipe", "1f1b")
 Training", ICML 2021; Megatron-LM's ``forward_backward_pipelining_without_interleaving``)."""
 
 
-def _subtree(tree: dict, names) -> dict:
-    return {k: tree[k] for k in names if k in tree}
 
 
 def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatches: int,
@@ -320,16 +321,16 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     net = models.as_network(model)
     S = lax.axis_size(stage_axis) if num_stages is None else int(num_stages)
     M = int(num_microbatches)
-    _check_schedule(net.module, bn_mode, batch["image"].shape[0], M, S, schedule)
+    _check_schedule(models.splittable(net), bn_mode, batch["image"].shape[0], M, S, schedule)
     if plan is None:
-        plan = plan_stages(net.module, batch["image"].shape[1:], S)
+        plan = plan_stages(net, batch["image"].shape[1:], S)
     if plan.num_stages != S:
         raise ValueError(f"the stage plan has {plan.num_stages} stages, the mesh axis "
                          f"{stage_axis!r} {S}")
     rules: dict = {}
     if select is None:
-        select = lambda k, p: _subtree(p, plan.names(k))  # noqa: E731
-    run_stage = _stage_runner(stage_modules(net.module, plan), plan, batch_stats, bn_mode,
+        select = lambda k, p: subtree(p, plan.names(k))  # noqa: E731
+    run_stage = _stage_runner(stage_modules(net, plan), plan, batch_stats, bn_mode,
                               data_axis, remat, rules, select, rng, net._split)
     lp = _loop(net, batch, params, run_stage, S, M, bn_mode, (data_axis, stage_axis),
                bubble_fill)
@@ -348,7 +349,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
 
 def _check_schedule(module, bn_mode: str, rows: int, M: int, S: int, schedule: str) -> None:
     """The checks :func:`pipeline_forward_backward` makes while tracing."""
-    if not isinstance(module, (models.ResNet, models.FlaggedSequential)):
+    if not isinstance(module, (models.ResNet,) + SEQUENCES):
         raise ValueError(f"the pipeline splits {SPLITTABLE}, got {type(module).__name__}")
     if isinstance(module, models.ResNet) and module.bn_mode != bn_mode:
         raise ValueError(f"the model's BatchNorm mode {module.bn_mode!r} differs from "
@@ -376,10 +377,14 @@ def _stage_runner(mods, plan: StagePlan, batch_stats, bn_mode: str, data_axis: s
         ctx = BatchNormContext(bn_mode, data_axis, mask)
 
         def call(p, x_in, mask, j):
+            if isinstance(mods[k], models.NNXSequence):
+                key = None if rng is None else jax.random.fold_in(rng, j)
+                return mods[k].apply_span(select(k, p), subtree(batch_stats, names), x_in, ctx,
+                                          key)
             rngs = None if rng is None else models._linen_rngs(jax.random.fold_in(rng, j))
             with nn.intercept_methods(linen_interceptor(ctx)), split():
                 y, new = mods[k].apply(
-                    {"params": select(k, p), "batch_stats": _subtree(batch_stats, names)},
+                    {"params": select(k, p), "batch_stats": subtree(batch_stats, names)},
                     x_in, train=True, mutable=["batch_stats", "bn_sums"], rngs=rngs)
             return y, new.get("bn_sums", {})
 
@@ -406,7 +411,7 @@ def _loop(net, batch, params, run_stage, S: int, M: int, bn_mode: str, axes: tup
         y, sums_k = jax.eval_shape(lambda p, xi, m, k=k: run_stage(k, p, xi, m, 0), params,
                                    jax.ShapeDtypeStruct(*cur),
                                    jax.ShapeDtypeStruct((mu,), jnp.float32))
-        bn_shapes.update(sums_k)
+        _deep_update(bn_shapes, sums_k)
         if k < S - 1:
             shapes.append(y)
             cur = (y.shape, y.dtype)
@@ -421,6 +426,16 @@ def _loop(net, batch, params, run_stage, S: int, M: int, bn_mode: str, axes: tup
                  bubble_fill, bn_axes)
 
 
+def _deep_update(tree: dict, other: dict) -> None:
+    """``tree.update(other)`` one level down where both hold a dict (an nnx list's
+    layers share the top-level key ``layers``)."""
+    for k, v in other.items():
+        if isinstance(v, dict) and isinstance(tree.get(k), dict) and "sums" not in v:
+            _deep_update(tree[k], v)
+        else:
+            tree[k] = v
+
+
 def _forward_branch(k: int, run_stage, lp: "_Loop", loss_fn, label_smoothing):
     """Stage ``k``'s forward slot: ``(params, inputs, mask, label, valid, j) -> (outs,
     sums, bn)`` for micro-batch ``j``; a bubble's input is replaced by zeros by select
@@ -431,7 +446,7 @@ def _forward_branch(k: int, run_stage, lp: "_Loop", loss_fn, label_smoothing):
         x_in = jnp.where(valid, inputs[k], jnp.zeros_like(inputs[k]))  # select, NaN-safe
         y, own = run_stage(k, p, x_in, mask, j)
         bn = lp.zeros_bn()
-        bn.update(own)
+        _deep_update(bn, own)
         bn = jax.tree_util.tree_map(lambda a: as_varying(a, lp.bn_axes), bn)
         outs = [lp.zeros_buf(b) for b in range(S - 1)]
         if k < S - 1:
@@ -648,7 +663,7 @@ def check_pipeline(module, image_shape: Sequence[int], num_stages: int, local_ba
         stages than residual blocks, ``M < S`` or ``M`` not dividing the local
         batch (naming the valid counts), or bad ``starts``.
     """
-    module = getattr(module, "module", module)
+    module = models.splittable(module)
     _check_splittable(module)
     valid = [m for m in range(num_stages, local_batch + 1) if local_batch % m == 0]
     if num_microbatches < num_stages or local_batch % num_microbatches:
@@ -704,6 +719,7 @@ def boundary_traffic(module, image_shape, stages: StagePlan, num_microbatches: i
       stages: the split; num_microbatches: M; local_batch: rows per data rank.
       itemsize: bytes per activation element (2 for bf16 / fp16, 4 for fp32).
     """
+    module = models.splittable(module)
     blocks = module.blocks_info(image_shape) if isinstance(module, models.ResNet) else \
         module.layer_costs(image_shape)
     shapes = [blocks[hi - 1]["out_shape"] for _, hi in stages.bounds[:-1]]
@@ -765,7 +781,7 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
     D, local = world.data_size, world.local_batch_size
     M = num_microbatches or default_microbatches(S, local, D, bn_mode)
     if stages is None:
-        stages = check_pipeline(net.module, image_shape, S, local, M)
+        stages = check_pipeline(net, image_shape, S, local, M)
     rows = bn_rows(local, M, D, bn_mode)
     if rows < MIN_BN_ROWS:
         warnings.warn(f"trjax: {M} micro-batches of {local // M} rows: each BatchNorm "
@@ -790,7 +806,7 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
             + "/".join(f"{100 * x:.1f}%" for x in stages.shares)
             + f" (max/mean {stages.imbalance:.2f}), stages begin at "
             + ", ".join(stages.blocks[lo] for lo, _ in stages.bounds))
-    traffic = functools.partial(boundary_traffic, net.module, tuple(image_shape), stages, M,
+    traffic = functools.partial(boundary_traffic, net, tuple(image_shape), stages, M,
                                 world.local_batch_size)
     return Layout(world=world, model=net, network=network, image_shape=tuple(image_shape),
                   bn_mode=bn_mode, forward_backward=fb,
@@ -799,6 +815,7 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
                   params=specs, batch_stats=stats,
                   folded=P() if base is None else base.folded, check_vma=False,
                   local_shapes=lambda p, s: (tensor.local_shapes(p, specs, sizes),
+                                             s if base is None else
                                              tensor.local_shapes(s, stats, sizes)),
                   gather=functools.partial(fsdp.gather, dims=dims, groups=everything, size=S,
                                            axis_name="stage"),

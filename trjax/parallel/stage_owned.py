@@ -38,6 +38,29 @@ from trjax.parallel.fsdp import from_rows
 STAGE_AXIS = "stage"
 
 
+def unit_path(name: str) -> tuple:
+    """The key path of a pipeline unit's name: ``"layers_3"`` -> ``("layers_3",)``, an
+    nnx list's ``"layers/3"`` -> ``("layers", 3)``."""
+    return tuple(int(p) if p.isdigit() else p for p in name.split("/"))
+
+
+def subtree(tree: dict, names) -> dict:
+    """The part of ``tree`` under the units ``names`` (:func:`unit_path`), nested as in
+    ``tree``; a unit ``tree`` does not hold (a layer without parameters) is left out."""
+    out: dict = {}
+    for name in names:
+        path, node = unit_path(name), tree
+        for k in path:
+            node = node.get(k) if isinstance(node, dict) else None
+        if node is None:
+            continue
+        d = out
+        for k in path[:-1]:
+            d = d.setdefault(k, {})
+        d[path[-1]] = node
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class StageRows:
     """How the leaves of a parameter tree pack into the ``[S, R]`` all-to-all rows.
@@ -62,11 +85,13 @@ class StageRows:
     @classmethod
     def build(cls, params, dims, stage_names) -> "StageRows":
         """``params``: the abstract whole tree; ``dims``: :func:`shard_dims` of it;
-        ``stage_names``: per stage, the top-level names it owns."""
+        ``stage_names``: per stage, the units it owns (:func:`unit_path`)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         flat_dims = tuple(treedef.flatten_up_to(dims))
-        stage_of = {n: s for s, names in enumerate(stage_names) for n in names}
-        owner = tuple(stage_of[p[0].key] for p, _ in flat)
+        stage_of = {unit_path(n): s for s, names in enumerate(stage_names) for n in names}
+        keys = [tuple(getattr(k, "key", k) for k in p) for p, _ in flat]
+        owner = tuple(next(stage_of[k[:n]] for n in range(1, len(k) + 1) if k[:n] in stage_of)
+                      for k in keys)
         size = len(stage_names)
         offsets, fill = {}, [0] * size
         for i, ((_, x), d) in enumerate(zip(flat, flat_dims)):
@@ -111,8 +136,7 @@ class StageRows:
         for i, d in enumerate(self.dims):
             if d is None:
                 out[i] = next(w)
-        tree = jax.tree_util.tree_unflatten(self.treedef, out)
-        return {k: tree[k] for k in names if k in tree}
+        return subtree(jax.tree_util.tree_unflatten(self.treedef, out), names)
 
     def scatter(self, grads, sums):
         """Inside ``shard_map``: ``grads = (rows [S, R], whole)`` (this device's stage's
