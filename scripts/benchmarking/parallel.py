@@ -80,17 +80,17 @@ def _with_references(meshes, microbatches):
     """Each mesh, after the data-parallel run that does the same arithmetic per data
     rank: for ``data:D,stage:S`` the ``data:D`` step with ``grad_accumulation_steps = M``
     (the same rows per micro-batch, on D devices instead of D x S), for ``data:D,model:T``
-    the ``data:D`` step (the same rows per data rank). ``[(name, reference name)]``."""
+    the ``data:D`` step (the same rows per data rank), with ``fsdp:F`` the ``data:D·F``
+    step (its batch ranks). ``[(name, reference name)]``."""
     out, seen = [], set()
     for mesh in meshes:
         sizes = _mesh_sizes(mesh)
+        ranks = sizes.get("data", 1) * sizes.get("fsdp", 1)  # the batch's ranks
         ref = None
         if "stage" in sizes:
-            ref = f"data:{sizes['data']} accum:{microbatches}"
-        elif "model" in sizes:
-            ref = f"data:{sizes['data']}"
-        elif "fsdp" in sizes:  # the same rows per device: data over every device
-            ref = f"data:{sizes.get('data', 1) * sizes['fsdp']}"
+            ref = f"data:{ranks} accum:{microbatches}"
+        elif "model" in sizes or "fsdp" in sizes:  # the same rows per batch rank
+            ref = f"data:{ranks}"
         if ref is not None and ref not in seen and ref not in meshes:
             out.append((ref, None))
             seen.add(ref)

@@ -48,7 +48,8 @@ def get_config() -> ml_collections.ConfigDict:
     #                                4 x stages, keeping >= 16 rows per BatchNorm)
     c.pipeline_stage_starts = ""   # "" (balanced by MACs) or the blocks that begin stages
     #                                1..S-1, e.g. "stage2_block1,stage3_block1"
-    c.pipeline_schedule = "gpipe"  # "gpipe" or "1f1b" (stashes at most 2S-1 stage inputs)
+    c.pipeline_schedule = "gpipe"  # "gpipe", "1f1b" (stashes at most 2S-1 stage inputs) or
+    #                                "zb-h1" (zero bubble: B and W apart, W fills the bubbles)
     c.pipeline_remat = True        # gpipe: recompute each stage in the backward (1f1b always does)
     c.tensor_plan = ""             # a 'model' mesh: "" (a built-in ResNet's own split) or the
     #                                layers to split, "Conv_1=column,Conv_2=row,Dense_0=column"

@@ -146,10 +146,10 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
 def _check_pipeline_keys(c, stage: bool, model: bool) -> None:
     """The pipeline's own keys and the tensor plan: well formed, and set only on a
     ``stage`` / ``model`` mesh."""
-    if stage and c.pipeline_schedule == "1f1b" and not c.pipeline_remat:
+    if stage and c.pipeline_schedule in ("1f1b", "zb-h1") and not c.pipeline_remat:
         raise ValueError("config.pipeline_remat=False applies to pipeline_schedule='gpipe': "
-                         "1f1b always recomputes each stage in its backward slot; leave "
-                         "pipeline_remat=True or use gpipe")
+                         f"{c.pipeline_schedule} always recomputes each stage in its backward "
+                         "slot; leave pipeline_remat=True or use gpipe")
     starts = str(c.pipeline_stage_starts)
     if starts.strip() and any(not b.strip() for b in starts.split(",")):
         raise ValueError(f"config.pipeline_stage_starts={starts!r} has an empty item: give "

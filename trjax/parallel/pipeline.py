@@ -67,7 +67,7 @@ from trjax.batchnorm import BatchNormContext, linen_interceptor
 from trjax.collectives import as_varying
 from trjax.metrics import batch_metrics
 from trjax.objective import StepOptions, example_losses
-from trjax.parallel import fsdp
+from trjax.parallel import fsdp, zero_bubble
 from trjax.parallel.layout import Layout, check_bn_mode
 from trjax.parallel.stage_owned import StageRows, subtree
 
@@ -239,10 +239,11 @@ def stage_modules(module, plan: StagePlan) -> list[nn.Module]:
 
 # -- the pipelined forward + backward -------------------------------------------------------
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
 """Pipeline schedules (``config.pipeline_schedule``): GPipe (Huang et al. 2019) and
 1F1B (PipeDream-Flush: Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
-Training", ICML 2021; Megatron-LM's ``forward_backward_pipelining_without_interleaving``)."""
+Training", ICML 2021; Megatron-LM's ``forward_backward_pipelining_without_interleaving``) and
+ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024; :mod:`trjax.parallel.zero_bubble`)."""
 
 
 
@@ -336,7 +337,11 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
                bubble_fill)
     branches = [_forward_branch(k, run_stage, lp, loss_fn, label_smoothing) for k in range(S)]
     p = jax.tree_util.tree_map(lambda a: as_varying(a, lp.axes), params)
-    if schedule == "1f1b":
+    loss = lambda y, label, mask: _loss_sum(y, label, mask, loss_fn, label_smoothing,  # noqa: E731
+                                            loss_scale)
+    if schedule == "zb-h1":
+        grads, sums, bn_sums = zero_bubble.forward_backward(p, branches, run_stage, lp, loss)
+    elif schedule == "1f1b":
         grads, sums, bn_sums = _one_f_one_b(
             p, branches, run_stage, lp,
             lambda y, label, mask: _loss_sum(y, label, mask, loss_fn, label_smoothing,

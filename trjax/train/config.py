@@ -88,7 +88,7 @@ KEYS = {
     # change on resume; the start-up line prints the M in use
     "pipeline_microbatches": Key("int", 0, **_WHERE, hint=" (0: up to 4 x stages, BatchNorm groups of >= 16 rows)"),
     "pipeline_stage_starts": Key("str"),  # checked by trjax.parallel.pipeline.plan_stages
-    "pipeline_schedule": Key("choice", ("gpipe", "1f1b")),  # trjax.parallel.pipeline.SCHEDULES
+    "pipeline_schedule": Key("choice", ("gpipe", "1f1b", "zb-h1")),  # pipeline.SCHEDULES
     "pipeline_remat": Key("bool"),
     "tensor_plan": Key("str", **_WHERE),  # checked by trjax.tensor_plan.parse / resolve
     "global_batch_size": Key("int", 1, **_MATCH),
