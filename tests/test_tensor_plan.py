@@ -179,10 +179,12 @@ def test_your_own_model_with_a_plan_equals_data_parallel(make, plan):
     assert over == ["all-gather"] + ["all-reduce"] * (2 * pairs + 1), over
 
 
-def test_a_resnet_given_its_own_split_as_a_plan_equals_its_built_in_split():
-    """ResNet-8 on data:2,model:2: tensor_plan = tensor_plan.default_plan (the last stage's
-    block pair and the head) through flax's intercepted layers, against the blocks' own
-    split: the same state after one step within the bound, the same evaluation."""
+def test_a_resnets_default_split_is_its_default_plan():
+    """ResNet-8 on data:2,model:2 without a plan splits by tensor_plan.default_plan (the
+    last stage's block pair and the head) through flax's intercepted layers: the same roles
+    and specs as that plan given explicitly, and bitwise the same step. (Before this plan
+    path, the blocks split themselves, trjax.tensor.split_model: given as a plan, the same
+    step landed bitwise where the blocks' own split lands, measured 2026-12-04.)"""
     data = ip.load_digits()
     batch = {"image": data.train.images[:GLOBAL], "label": data.train.labels[:GLOBAL],
              "mask": np.ones(GLOBAL, np.float32)}
@@ -192,20 +194,14 @@ def test_a_resnet_given_its_own_split_as_a_plan_equals_its_built_in_split():
     runs = []
     for p in ("", plan):
         tr = trainer.setup(_config("4", "data:2,model:2", tensor_plan=p), data)
-        start = to_host(tr.state)
         after, m = tr.train_step(tr.state, ip.to_device(batch, tr.world.sharded(), 10))
-        runs.append((tr, start, to_host(after), to_host(m)))
-    (b, s0, a0, m0), (g, s1, a1, m1) = runs
-    assert g.layout.network.tensor_roles and not b.layout.network.tensor_roles
+        runs.append((tr, to_host(after), to_host(m)))
+    (b, a0, m0), (g, a1, m1) = runs
+    assert b.layout.network.tensor_roles == g.layout.network.tensor_roles == {
+        ("stage3_block1", "Conv_0"): "column", ("stage3_block1", "BatchNorm_0"): "channel",
+        ("stage3_block1", "Conv_1"): "row", ("head",): "head"}
+    assert b.layout.network.folds  # a ResNet still folds BatchNorm for its evaluation
     assert [x.sharding.spec for x in jax.tree_util.tree_leaves(b.state.params)] == \
         [x.sharding.spec for x in jax.tree_util.tree_leaves(g.state.params)]
-    for x, y in zip(jax.tree_util.tree_leaves(s0), jax.tree_util.tree_leaves(s1)):
+    for x, y in zip(jax.tree_util.tree_leaves((a0, m0)), jax.tree_util.tree_leaves((a1, m1))):
         np.testing.assert_array_equal(x, y)
-    worst = assert_within_bound_except_still((a1.params, a1.batch_stats),
-                                             (a0.params, a0.batch_stats),
-                                             (s0.params, s0.batch_stats), GLOBAL)
-    print(f"resnet8 plan vs built-in: worst leaf / bound {worst:.3g}")
-    assert m1.count == m0.count and m1.top1 == m0.top1
-    va = trainer.evaluate_pass(g, put_like(a0, g.state))
-    vb = trainer.evaluate_pass(b, put_like(a0, b.state))
-    np.testing.assert_allclose(va["sums"], vb["sums"], rtol=1e-4)

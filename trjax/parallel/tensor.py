@@ -1,8 +1,10 @@
-"""The tensor-parallel (Megatron) :class:`~trjax.parallel.layout.Layout` of a trjax ResNet.
+"""The tensor-parallel (Megatron) :class:`~trjax.parallel.layout.Layout` of any flax model.
 
-The layers, the mappings (``f``, ``g``, the gather) and which layers split
-are :mod:`trjax.tensor`; this module lays a run out over a mesh with a
-``model`` axis: the split network on local slices, the parameters', BN
+The mappings (``f``, ``g``, the gather) are :mod:`trjax.tensor`; which layers
+split is a tensor plan (:mod:`trjax.tensor_plan`; a built-in ResNet's default
+is :func:`trjax.tensor_plan.default_plan`). This module lays a run out over a
+mesh with a ``model`` axis: the network with the plan applied to flax's own
+layers, on local slices, the parameters', BN
 statistics' and optimizer state's specs over ``model``, the gradient buckets
 and BN sums reduced over ``data`` only (every model rank holds its own slice's
 full gradient), traced with ``check_vma=False`` (the buckets mix split and
@@ -26,9 +28,9 @@ def _rename_leaves(tree, rename):
 
 def layout(model, world, image_shape, bn_mode: str = "sync", plan=None) -> Layout:
     """The tensor-parallel :class:`Layout` on a world with a ``model`` axis
-    (:data:`trjax.tensor.TENSOR_AXIS`): a trjax ResNet split by its own blocks
-    (:func:`trjax.tensor.split_model`), or any flax model by a tensor plan
-    (:mod:`trjax.tensor_plan`; a ResNet given a plan takes that path too).
+    (:data:`trjax.tensor.TENSOR_AXIS`): any flax model split by a tensor plan
+    (:mod:`trjax.tensor_plan`), a trjax ResNet by default by its own
+    (:func:`trjax.tensor_plan.default_plan`: the last stage's block pairs and the head).
 
     Its optimizer state's specs come with :meth:`Layout.with_exchange` (the
     exchange is built from the bucket plan, which needs these local shapes).
@@ -53,30 +55,28 @@ def layout(model, world, image_shape, bn_mode: str = "sync", plan=None) -> Layou
     sizes, axis = dict(world.axes), world.axis_name
     T = sizes[tensor.TENSOR_AXIS]
     variables = net.abstract_variables(image_shape)
-    if plan or not isinstance(net.module, models.ResNet):
-        if not plan:
-            layers = sorted({"/".join(p) for p, kind, _, _ in tensor_plan.calls(net, image_shape)
-                             if kind == "layer"})
-            cls = type(net.module)
-            raise ValueError(f"a 'model' mesh axis splits a model by a tensor plan; your model "
-                             f"{cls.__module__}.{cls.__qualname__} has none: set "
-                             "config.tensor_plan='<conv>=column,<next conv>=row,<head>=column' "
-                             f"from its layers {layers[:24]}, or use a mesh with the data axis only")
-        roles = tensor_plan.resolve(net, plan, image_shape, T, tensor.TENSOR_AXIS)
-        network = dataclasses.replace(net, tensor_roles=roles, tensor_axis=tensor.TENSOR_AXIS,
-                                      tensor_size=T)
-        if isinstance(net.module, models.ResNet):  # unsplit blocks; the plan splits them
-            network = dataclasses.replace(network, module=net.module.clone(tensor_axis=None),
-                                          folds=False)
-        p_specs = tensor_plan.specs(variables["params"], roles)
-        s_specs = tensor_plan.specs(variables["batch_stats"], roles)
-        count = len([r for r in roles.values() if r != "channel"])
-    else:
-        split = tensor.split_model(net.module, tensor.TENSOR_AXIS, T)
-        p_specs = tensor.param_specs(variables["params"], split)
-        s_specs = tensor.stats_specs(variables["batch_stats"], split)
-        network = dataclasses.replace(net, module=split)
-        count = len(tensor.split_layers(split))
+    resnet = isinstance(net.module, models.ResNet)
+    own_plan = bool(plan)
+    if resnet and not plan:  # its own split, as a plan (tensor_stages, tensor_head choose it)
+        tensor.check_tensor_split(net.module, T)
+        plan = tensor_plan.default_plan(net.module)
+    if not plan:
+        layers = sorted({"/".join(p) for p, kind, _, _ in tensor_plan.calls(net, image_shape)
+                         if kind == "layer"})
+        cls = type(net.module)
+        raise ValueError(f"a 'model' mesh axis splits a model by a tensor plan; your model "
+                         f"{cls.__module__}.{cls.__qualname__} has none: set "
+                         "config.tensor_plan='<conv>=column,<next conv>=row,<head>=column' "
+                         f"from its layers {layers[:24]}, or use a mesh with the data axis only")
+    roles = tensor_plan.resolve(net, plan, image_shape, T, tensor.TENSOR_AXIS)
+    network = dataclasses.replace(net, tensor_roles=roles, tensor_axis=tensor.TENSOR_AXIS,
+                                  tensor_size=T)
+    if resnet:  # unsplit blocks: the plan splits them
+        network = dataclasses.replace(network, module=net.module.clone(tensor_axis=None,
+                                                                       tensor_size=1))
+    p_specs = tensor_plan.specs(variables["params"], roles)
+    s_specs = tensor_plan.specs(variables["batch_stats"], roles)
+    count = len([r for r in roles.values() if r != "channel"])
 
     def local_shapes(params, batch_stats):
         return (tensor.local_shapes(params, p_specs, sizes),
@@ -95,4 +95,4 @@ def layout(model, world, image_shape, bn_mode: str = "sync", plan=None) -> Layou
                       "all-reduce": "tensor:Megatron f/g (partial sums of a split pair or the head)",
                       "all-gather": "tensor:head logits"}},
                   line=f"tensor parallel: {T}-way over '{tensor.TENSOR_AXIS}' ({count} layers "
-                       "split" + (", by the tensor plan)" if plan else ")"))
+                       "split" + (", by config.tensor_plan)" if own_plan else ")"))
