@@ -165,3 +165,45 @@ def test_3d_resume_is_bitwise_and_checkpoints_move_between_meshes(tmp_path):
             assert bits(getattr(moved, name)) == bits(getattr(full, name)), (mesh, name)
     back, _ = train_and_evaluate(small_config(**three), str(tmp_path / "full"))
     assert bits(back.params) == bits(full.params)
+
+
+@pytest.mark.parametrize("mesh", ["data:2,fsdp:2,model:2", "data:2,stage:2,model:2"])
+def test_a_non_finite_model_slice_skips_the_update_on_every_device(mesh, trainers):
+    """A gradient NaN in model rank 1's slices only: the flag summed over every axis that
+    holds different slices (fsdp or stage, and model) makes all 8 devices skip the update,
+    every leaf kept bitwise."""
+    import jax.numpy as jnp
+    from jax import lax
+    from jax.sharding import PartitionSpec as P
+    from trjax import steps
+    from trjax.state import state_specs
+    kw = dict(pipeline_microbatches=4, pipeline_schedule="gpipe") if "stage" in mesh else {}
+    tr = trainers(mesh, bn_mode="running", **kw)
+    lay, opts = tr.layout, trainer.step_options(tr)
+    assert tensor_axis_in(lay.finite_axes)
+
+    def local(state, batch):
+        grads, sums, bn_sums, rules = lay.forward_backward(
+            state.params, lay.own_stats(state.batch_stats), batch, opts, None,
+            jax.random.key(0))
+        leaves, treedef = jax.tree_util.tree_flatten(grads)
+        leaves[0] = leaves[0] + jnp.where(lax.axis_index("model") == 1, jnp.nan, 0.0)
+        return steps.apply_gradients(state, jax.tree_util.tree_unflatten(treedef, leaves), sums,
+                                     bn_sums, rules, tr.plan, tr.exchange, lay, opts)
+
+    specs = state_specs(lay, tr.exchange)
+    step = jax.jit(jax.shard_map(local, mesh=tr.world.mesh, in_specs=(specs, lay.batch),
+                                 out_specs=(specs, P()), check_vma=False))
+    data = ip.load_digits()
+    batch = {"image": data.train.images[:GLOBAL], "label": data.train.labels[:GLOBAL],
+             "mask": np.ones(GLOBAL, np.float32)}
+    start = to_host(tr.state)
+    new, m = step(put_like(start, tr.state), ip.to_device(batch, tr.world.sharded(), 10))
+    assert float(to_host(m).finite) == 0.0
+    for a, b in zip(jax.tree_util.tree_leaves(to_host((new.params, new.opt_state))),
+                    jax.tree_util.tree_leaves((start.params, start.opt_state))):
+        np.testing.assert_array_equal(a, b)
+
+
+def tensor_axis_in(axes) -> bool:
+    return "model" in (axes if isinstance(axes, tuple) else (axes,))
