@@ -8,13 +8,16 @@ axes the gradient buckets and the BN sums are reduced over, and ONE
 calls whatever the mesh. Constructors:
 
 * :func:`data_parallel` (``data`` only);
-* :func:`trjax.parallel.fsdp.layout` (``data`` x ``fsdp``: FSDP / ZeRO-3, the
-  parameters, gradients and optimizer state sharded over ``fsdp``);
-* :func:`trjax.parallel.tensor.layout` (``data`` x ``model``: Megatron tensor
-  parallelism of trjax's ResNets, the layers and mappings in :mod:`trjax.tensor`);
-* :func:`trjax.parallel.pipeline.layout` (``data`` x ``stage``: GPipe / 1F1B);
+* :func:`trjax.parallel.tensor.layout` (``model``: Megatron tensor parallelism of
+  any flax model by a tensor plan, :mod:`trjax.tensor_plan`; the mappings in
+  :mod:`trjax.tensor`);
+* :func:`trjax.parallel.pipeline.layout` (``stage``: GPipe / 1F1B / ZB-H1), over
+  the tensor-parallel layout when there is one (``base=``);
+* :func:`trjax.parallel.fsdp.layout` (``fsdp``: FSDP / ZeRO-3, the parameters,
+  gradients and optimizer state sharded over ``fsdp``), over the pipeline or
+  tensor-parallel layout when there is one;
 
-and :func:`from_config` chooses by ``config.mesh``. Import rule (tested):
+and :func:`from_config` composes them by ``config.mesh``. Import rule (tested):
 this package imports the modules below the step (models, objective,
 batchnorm, collectives, tensor, comm), never :mod:`trjax.steps`,
 :mod:`trjax.train` or :mod:`trjax.data`; those read a layout's fields and

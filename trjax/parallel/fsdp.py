@@ -152,17 +152,25 @@ def reduce_scatter(grads, sums, dims, groups, metrics_bucket: str, size: int):
     return jax.tree_util.tree_unflatten(treedef, out), sums
 
 
-def fsdp_forward_backward(network, bn_mode, axes, dims, groups, metrics_bucket, size,
+def fsdp_forward_backward(inner, dims, groups, metrics_bucket, size,
                           params, batch_stats, batch, options, loss_scale, rng):
-    """:func:`gather`, data parallelism's forward and backward on the whole
-    parameters (:func:`trjax.parallel.layout.data_forward_backward` over the
-    batch axes ``axes``), then :func:`reduce_scatter`. The layout binds all but
-    the last six arguments."""
+    """:func:`gather`, the inner layout's forward and backward on what it holds
+    (``inner``: data parallelism's, :func:`trjax.parallel.layout.data_forward_backward`
+    over the batch axes, or a tensor-parallel or pipeline layout's), then
+    :func:`reduce_scatter`. The layout binds all but the last six arguments."""
     full = gather(params, dims, groups, size)
-    grads, sums, bn_sums, rules = data_forward_backward(network, bn_mode, axes, full, batch_stats,
-                                                        batch, options, loss_scale, rng)
+    grads, sums, bn_sums, rules = inner(full, batch_stats, batch, options, loss_scale, rng)
     grads, sums = reduce_scatter(grads, sums, dims, groups, metrics_bucket, size)
     return grads, sums, bn_sums, rules
+
+
+def _axes(*names) -> tuple:
+    """The flat tuple of axis names in ``names`` (names, tuples of names, ``None``)."""
+    out = []
+    for n in names:
+        if n is not None:
+            out.extend(n if isinstance(n, tuple) else (n,))
+    return tuple(dict.fromkeys(out))
 
 
 def traffic(dims, params, size: int, itemsize: int = 4) -> dict:
@@ -211,11 +219,13 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
         ``data x fsdp``).
       buckets: the MemoryPlan's bucket policy (``config.buckets``): one
         all-gather and one reduce-scatter per bucket.
-      base: the tensor-parallel layout of the same world
-        (:func:`trjax.parallel.tensor.layout`; mesh ``data:D,fsdp:F,model:T``) or
-        ``None``. With it, FSDP shards each device's ``model`` slice (its split
-        network, its specs over ``model`` combined with ``fsdp``,
-        :func:`combined_specs`): the all-gather over ``fsdp`` gives the slice back.
+      base: the layout FSDP is laid over on the same world, or ``None`` (data
+        parallelism): a tensor-parallel one (:func:`trjax.parallel.tensor.layout`;
+        ``data:D,fsdp:F,model:T``) or a pipeline (:func:`trjax.parallel.pipeline.layout`;
+        ``data:D,fsdp:F,stage:S[,model:T]``). FSDP then shards what each device of
+        ``base`` holds (its specs combined with ``fsdp``, :func:`combined_specs`): the
+        all-gather over ``fsdp`` gives it back, ``base``'s step runs on it, and the
+        reduce-scatter hands back each shard's gradient.
 
     Raises:
       ValueError: an unknown ``bn_mode``; a model none of whose parameters
@@ -237,10 +247,13 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
     specs = combined_specs(dims, inner, FSDP_AXIS)
     stats = (P(axes) if bn_mode == "local" else P()) if base is None else base.batch_stats
     local = lambda p, s: (tensor.local_shapes(p, specs, sizes),  # noqa: E731
-                          s if base is None else tensor.local_shapes(s, stats, sizes))
+                          s if isinstance(stats, P) else tensor.local_shapes(s, stats, sizes))
     network = net if base is None else base.network
+    inner_step = functools.partial(data_forward_backward, net, bn_mode, axes) if base is None \
+        else base.forward_backward
     plan = build_plan(net, image_shape, buckets, local=local)
     groups, metrics_bucket = bucket_groups(plan), plan.metrics_slot[0]
+    own_gather = functools.partial(gather, dims=dims, groups=groups, size=size)
     per_replica = bn_mode == "local"
     t = traffic(dims, own, size)
     whole = [jax.tree_util.keystr(p) for (p, _), d in
@@ -253,17 +266,22 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
             f"{len(whole)} small leaves whole); batch over data x fsdp")
     return Layout(
         world=world, model=net, network=network, image_shape=tuple(image_shape), bn_mode=bn_mode,
-        forward_backward=functools.partial(fsdp_forward_backward, network, bn_mode, axes, dims,
-                                           groups, metrics_bucket, size),
+        forward_backward=functools.partial(fsdp_forward_backward, inner_step, dims, groups,
+                                           metrics_bucket, size),
         grad_axes="data" if sizes["data"] > 1 else (),
-        bn_reduce_axes=axes if bn_mode == "running" else None,
+        bn_reduce_axes=(axes if bn_mode == "running" else None) if base is None else
+        base.bn_reduce_axes,
         per_replica_stats=per_replica, params=specs, batch_stats=stats,
         folded=(P(axes) if per_replica else P()) if base is None else base.folded,
         check_vma=False, local_shapes=local,
-        kind="fsdp" if base is None else "fsdp+tensor",
-        gather=functools.partial(gather, dims=dims, groups=groups, size=size),
+        kind="fsdp" if base is None else f"fsdp+{base.kind}",
+        gather=own_gather if base is None or base.gather is None else
+        (lambda p: base.gather(own_gather(p))),
         # a model rank holds its own slices too: every device skips or applies together
-        finite_axes=FSDP_AXIS if base is None else (FSDP_AXIS, tensor.TENSOR_AXIS),
-        details={"fsdp_size": size, "fsdp_whole_leaves": whole, "fsdp_traffic_bytes": t},
+        finite_axes=_axes(FSDP_AXIS, None if base is None else base.finite_axes,
+                          tensor.TENSOR_AXIS if tensor.TENSOR_AXIS in sizes else None),
+        point_to_point=None if base is None else base.point_to_point,
+        details={**({} if base is None else base.details), "fsdp_size": size,
+                 "fsdp_whole_leaves": whole, "fsdp_traffic_bytes": t},
         collective_labels=labels if base is None else {**base.collective_labels, **labels},
         line=line if base is None else f"{line}; {base.line}")

@@ -48,17 +48,17 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
                          "so a norm over a layer or all leaves (clipping, LARS) would be per "
                          "slice; use config.optimizer='sgd' or 'adamw', or a mesh without "
                          f"'{split[0]}'")
-    split_model = None  # the tensor-parallel layout the other axes compose over
+    split_model = None  # the layout the next axis composes over: tensor, then pipeline
     if "model" in sizes:
         split_model = tensor.layout(model, world, image_shape, config.bn_mode,
                                     config.tensor_plan)
     if "stage" in sizes:
-        return pipeline.layout(model, world, image_shape, config.bn_mode,
-                               pipeline_microbatches(config, world),
-                               _stage_plan(config, world, model, image_shape),
-                               remat=config.pipeline_remat, schedule=config.pipeline_schedule,
-                               base=split_model)
-    if fsdp.FSDP_AXIS in sizes:  # over the tensor-parallel layout when there is one
+        split_model = pipeline.layout(model, world, image_shape, config.bn_mode,
+                                      pipeline_microbatches(config, world),
+                                      _stage_plan(config, world, model, image_shape),
+                                      remat=config.pipeline_remat,
+                                      schedule=config.pipeline_schedule, base=split_model)
+    if fsdp.FSDP_AXIS in sizes:  # over the tensor-parallel or pipeline layout, if any
         return fsdp.layout(model, world, image_shape, config.bn_mode, config.buckets,
                            base=split_model)
     if split_model is not None:
@@ -104,11 +104,8 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
     _check_pipeline_keys(c, stage, model)
     if not (stage or model or sharded):
         return
-    if sharded and stage:
-        raise ValueError(f"config.mesh={c.mesh!r}: an 'fsdp' axis with a 'stage' axis is not "
-                         "supported yet (a pipeline already splits every leaf over 'stage'); "
-                         "use 'data:D,stage:S[,model:T]' or 'data:D,fsdp:F[,model:T]'")
-    kind = ("a 'model' axis with an 'fsdp' axis" if sharded and model else
+    kind = ("a 'stage' axis with an 'fsdp' axis" if sharded and stage else
+            "a 'model' axis with an 'fsdp' axis" if sharded and model else
             "a 'model' axis with a 'stage' axis" if stage and model else
             "an 'fsdp' axis" if sharded else
             "a 'stage' axis (pipeline)" if stage else "a 'model' axis (tensor parallel)")

@@ -333,7 +333,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         select = lambda k, p: subtree(p, plan.names(k))  # noqa: E731
     run_stage = _stage_runner(stage_modules(net, plan), plan, batch_stats, bn_mode,
                               data_axis, remat, rules, select, rng, net._split)
-    lp = _loop(net, batch, params, run_stage, S, M, bn_mode, (data_axis, stage_axis),
+    lp = _loop(net, batch, params, run_stage, S, M, bn_mode, fsdp._axes(data_axis, stage_axis),
                bubble_fill)
     branches = [_forward_branch(k, run_stage, lp, loss_fn, label_smoothing) for k in range(S)]
     p = jax.tree_util.tree_map(lambda a: as_varying(a, lp.axes), params)
@@ -422,11 +422,11 @@ def _loop(net, batch, params, run_stage, S: int, M: int, bn_mode: str, axes: tup
             cur = (y.shape, y.dtype)
     # sync mode's sums come out of a psum over data: the same on every data rank, typed so
     # (the step then all-reduces them over the stage axis only)
-    bn_axes = (axes[1],) if bn_mode == "sync" else axes
+    bn_axes = (axes[-1],) if bn_mode == "sync" else axes
     zeros_bn = lambda: jax.tree_util.tree_map(
         lambda s: as_varying(jnp.zeros(s.shape, s.dtype), bn_axes), bn_shapes)
     zeros_buf = lambda b, v=0.0: as_varying(jnp.full(shapes[b].shape, v, shapes[b].dtype), axes)
-    return _Loop(S, M, mu, axes, axes[1], lax.axis_index(axes[1]), shapes, zeros_bn, zeros_buf,
+    return _Loop(S, M, mu, axes, axes[-1], lax.axis_index(axes[-1]), shapes, zeros_bn, zeros_buf,
                  images, pad(batch["label"], 0), pad(batch["mask"].astype(jnp.float32), 0),
                  bubble_fill, bn_axes)
 
@@ -816,7 +816,7 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
     return Layout(world=world, model=net, network=network, image_shape=tuple(image_shape),
                   bn_mode=bn_mode, forward_backward=fb,
                   grad_axes="data" if sizes["data"] > 1 else (),
-                  bn_reduce_axes=(data, "stage") if bn_mode == "running" else "stage",
+                  bn_reduce_axes=fsdp._axes(data, "stage") if bn_mode == "running" else "stage",
                   params=specs, batch_stats=stats,
                   folded=P() if base is None else base.folded, check_vma=False,
                   local_shapes=lambda p, s: (tensor.local_shapes(p, specs, sizes),
