@@ -1,4 +1,5 @@
-"""Pipeline parallelism (GPipe, 1F1B) for trjax's built-in ResNets, one SPMD program.
+"""Pipeline parallelism (GPipe, 1F1B, ZB-H1) for trjax's ResNets and sequences of layers,
+one SPMD program.
 
 :func:`layout` is the :class:`~trjax.parallel.layout.Layout` of a mesh with a
 ``stage`` axis (``config.mesh="data:2,stage:4"``): its ``forward_backward`` is
@@ -294,7 +295,9 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
       schedule: ``"gpipe"`` (all forwards, then autodiff's backward through
         the tick loop) or ``"1f1b"`` (:func:`_one_f_one_b`: an explicit backward
         per micro-batch, at most 2S - 1 stage inputs stashed per device instead
-        of every tick's; ``remat`` does not apply, its backward always recomputes).
+        of every tick's; ``remat`` does not apply, its backward always recomputes)
+        or ``"zb-h1"`` (:func:`trjax.parallel.zero_bubble.forward_backward`: a tick
+        table with the backward split into the input and the weight gradient).
       select: ``(k, params) -> stage k's subtree {name: ...}``; ``None``: ``params``
         is the whole tree (design v1) and stage k takes its names' subtrees. The
         stage-owned layout passes its packed rows
@@ -763,7 +766,7 @@ def layout(model, world, image_shape, bn_mode: str = "running", num_microbatches
         :func:`default_microbatches` (BatchNorm groups of >= :data:`MIN_BN_ROWS` rows).
       stages: the split (:func:`check_pipeline`); ``None``: balanced by MACs.
       remat: GPipe: recompute each stage in the backward (store its inputs only).
-      schedule: ``"gpipe"`` or ``"1f1b"`` (:data:`SCHEDULES`).
+      schedule: ``"gpipe"``, ``"1f1b"`` or ``"zb-h1"`` (:data:`SCHEDULES`).
       base: the tensor-parallel layout of the same world
         (:func:`trjax.parallel.tensor.layout`; mesh ``data:D,stage:S,model:T``) or
         ``None``. With it the stages run its split network, and each device's
