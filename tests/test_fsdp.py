@@ -153,7 +153,8 @@ def test_rows_round_trip_and_shard_dims():
 
 
 @pytest.mark.parametrize("change,words", [
-    (dict(mesh="data:2,fsdp:2,stage:2"), ["'fsdp' axis with a 'stage'", "data:D,fsdp:F"]),
+    (dict(mesh="data:2,fsdp:2,stage:2", bn_mode="local"),
+     ["config.bn_mode='local'", "a 'stage' axis with an 'fsdp' axis", "'running' or 'sync'"]),
     (dict(optimizer="lars"), ["config.optimizer='lars'", "'sgd' or 'adamw'"]),
     (dict(grad_clip_norm=1.0), ["config.grad_clip_norm=1.0", "per shard"]),
     (dict(shard_optimizer_state=True), ["shard_optimizer_state=True", "already shards"]),
