@@ -1,5 +1,6 @@
-"""Axes compose (issue 39, item 1): a 3-D mesh is the tensor-parallel layout with FSDP or the
-pipeline laid over it (trjax.parallel.mesh.from_config), not a path of its own.
+"""Axes compose (issue 39, item 1): a mesh of several axes is the tensor-parallel layout, the
+pipeline laid over it and FSDP over that (trjax.parallel.mesh.from_config), not a path of its
+own.
 
 The oracles. data:2,fsdp:2,model:2 gives each of its 4 batch ranks (data x fsdp) the rows of
 data:4's rank of the same index, and the model pairs compute the same sums split over two
