@@ -298,17 +298,6 @@ def _pair(record, wanted: dict, size: int, axis: str) -> dict:
     return out
 
 
-def _leaf_spec(role, name: str, ndim: int, axis: str):
-    from jax.sharding import PartitionSpec as P
-    if role in ("column", "head") and name == "kernel":
-        return P(*([None] * (ndim - 1) + [axis]))
-    if role == "row" and name == "kernel":
-        return P(*([None] * (ndim - 2) + [axis, None]))
-    if role in ("column", "head", "channel") and ndim == 1:
-        return P(axis)
-    return P()
-
-
 def specs(tree, roles: Mapping[tuple, str], axis: str = tensor.TENSOR_AXIS):
     """The ``PartitionSpec`` tree of ``tree`` (the parameters or the BatchNorm
     statistics, full shapes) under resolved ``roles``: column kernels split on
@@ -317,7 +306,9 @@ def specs(tree, roles: Mapping[tuple, str], axis: str = tensor.TENSOR_AXIS):
     every other leaf replicated."""
     def spec(path, leaf):
         keys = tensor._keys(path)
-        return _leaf_spec(roles.get(keys[:-1]), keys[-1], len(leaf.shape), axis)
+        role = roles.get(keys[:-1])  # a gathered head's kernel splits as a column's
+        return tensor._leaf_spec("column" if role == "head" else role, keys[-1],
+                                 len(leaf.shape), axis)
     return jax.tree_util.tree_map_with_path(spec, tree)
 
 
