@@ -163,13 +163,12 @@ def forward_backward(p, forward_branches, run_stage, lp, loss_sum):
         return fn
 
     branches = [branch(IDLE, 0)] + [branch(kind, k) for kind in (F, B, W) for k in range(S)]
-    take = lambda row: jnp.where(row[0] == IDLE, 0, (row[0] - 1) * S + row[1] + 1)  # noqa: E731
 
     def tick(carry, row):
         xs, cs, grads, sums_acc, bn_acc = carry
         mine = row[stage]
-        outs, bouts, dp, sums, bn = lax.switch(
-            take(jnp.stack([mine[0], stage])), branches, xs, cs, mine[1])
+        index = jnp.where(mine[0] == IDLE, 0, (mine[0] - 1) * S + stage + 1)
+        outs, bouts, dp, sums, bn = lax.switch(index, branches, xs, cs, mine[1])
         fwd = [lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)]) for b in range(S - 1)]
         bwd = [lax.ppermute(bouts[b], lp.stage_axis, [(b + 1, b)]) for b in range(S - 1)]
         if S > 1:
