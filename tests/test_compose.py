@@ -104,7 +104,7 @@ def test_your_own_sequential_on_stage_and_model_axes(trainers):
     dropout keys included."""
     tr = trainers("data:2,stage:2,model:2", linen_sequential, bn_mode="running",
                   pipeline_microbatches=2, tensor_plan=LINEN_PLAN)
-    assert tr.layout.network.tensor_roles
+    assert tr.layout.network.layer_plan.roles
     ref = trainers("data:2", linen_sequential, bn_mode="running", grad_accumulation_steps=2)
     worst = _assert_step_equal(tr, ref)
     print(f"nn.Sequential on data:2,stage:2,model:2: worst leaf / bound {worst:.3g}")
@@ -139,8 +139,7 @@ def test_fsdp_over_the_pipeline_equals_accumulation(mesh, schedule, bn_mode, tra
     data:D·F with grad_accumulation_steps = 4 within the bound."""
     tr = trainers(mesh, bn_mode=bn_mode, pipeline_microbatches=4, pipeline_schedule=schedule)
     assert tr.layout.kind.startswith("fsdp+pipeline")
-    assert set(tr.layout.finite_axes) == {"fsdp", "stage"} | ({"model"} if "model" in mesh
-                                                              else set())
+    assert tr.layout.split_axes == ("fsdp", "stage") + (("model",) if "model" in mesh else ())
     ranks = tr.world.data_size
     worst = _assert_step_equal(tr, trainers(f"data:{ranks}", bn_mode=bn_mode,
                                             grad_accumulation_steps=4))
@@ -186,11 +185,13 @@ def test_3d_resume_is_bitwise_and_checkpoints_move_between_meshes(tmp_path):
     assert bits(back.params) == bits(full.params)
 
 
-@pytest.mark.parametrize("mesh", ["data:2,fsdp:2,model:2", "data:2,stage:2,model:2"])
-def test_a_non_finite_model_slice_skips_the_update_on_every_device(mesh, trainers):
-    """A gradient NaN in model rank 1's slices only: the flag summed over every axis that
-    holds different slices (fsdp or stage, and model) makes all 8 devices skip the update,
-    every leaf kept bitwise."""
+@pytest.mark.parametrize("mesh,axis", [("data:4,model:2", "model"),
+                                       ("data:2,fsdp:2,model:2", "fsdp"),
+                                       ("data:2,stage:2,model:2", "model")])
+def test_a_non_finite_slice_skips_the_update_on_every_device(mesh, axis, trainers):
+    """A gradient NaN in the slices of rank 1 of one axis only (tensor parallelism alone
+    too): the flag summed over every axis that holds different slices (the layout's
+    split_axes) makes all 8 devices skip the update, every leaf kept bitwise."""
     import jax.numpy as jnp
     from jax import lax
     from jax.sharding import PartitionSpec as P
@@ -199,14 +200,14 @@ def test_a_non_finite_model_slice_skips_the_update_on_every_device(mesh, trainer
     kw = dict(pipeline_microbatches=4, pipeline_schedule="gpipe") if "stage" in mesh else {}
     tr = trainers(mesh, bn_mode="running", **kw)
     lay, opts = tr.layout, trainer.step_options(tr)
-    assert tensor_axis_in(lay.finite_axes)
+    assert lay.split_axes == tuple(a for a in ("fsdp", "stage", "model") if a in mesh)
 
     def local(state, batch):
         grads, sums, bn_sums, rules = lay.forward_backward(
             state.params, lay.own_stats(state.batch_stats), batch, opts, None,
             jax.random.key(0))
         leaves, treedef = jax.tree_util.tree_flatten(grads)
-        leaves[0] = leaves[0] + jnp.where(lax.axis_index("model") == 1, jnp.nan, 0.0)
+        leaves[0] = leaves[0] + jnp.where(lax.axis_index(axis) == 1, jnp.nan, 0.0)
         return steps.apply_gradients(state, jax.tree_util.tree_unflatten(treedef, leaves), sums,
                                      bn_sums, rules, tr.plan, tr.exchange, lay, opts)
 
@@ -223,6 +224,3 @@ def test_a_non_finite_model_slice_skips_the_update_on_every_device(mesh, trainer
                     jax.tree_util.tree_leaves((start.params, start.opt_state))):
         np.testing.assert_array_equal(a, b)
 
-
-def tensor_axis_in(axes) -> bool:
-    return "model" in (axes if isinstance(axes, tuple) else (axes,))

@@ -16,7 +16,7 @@ import pytest
 from helpers import (assert_each_step_within_reorder_rounding, digit_like_batches, put_like,
                      small_config, to_host, trainer_batch, trainer_states)
 from trjax import comm
-from trjax.parallel import fsdp
+from trjax.parallel import fsdp, shards
 from trjax.train import trainer
 
 GLOBAL = 32
@@ -141,15 +141,15 @@ def test_rows_round_trip_and_shard_dims():
     dimension is the last that divides (a dense kernel [64, 10] on 4 devices: its inputs)."""
     x = jnp.arange(2 * 8 * 3 * 4, dtype=jnp.float32).reshape(2, 8, 3, 4)
     for d in (1, 3):
-        rows = fsdp.to_rows(x, d, 4)
+        rows = shards.to_rows(x, d, 4)
         local = list(x.shape)
         local[d] //= 4
-        np.testing.assert_array_equal(fsdp.from_rows(rows, d, local), x)
+        np.testing.assert_array_equal(shards.from_rows(rows, d, local), x)
         np.testing.assert_array_equal(rows[1], np.take(x, range(x.shape[d] // 4,
                                                                  2 * x.shape[d] // 4),
                                                        axis=d).reshape(-1))
     tree = {"k": jnp.zeros((3, 3, 16, 32)), "dense": jnp.zeros((64, 10)), "b": jnp.zeros(10)}
-    assert fsdp.shard_dims(tree, 4) == {"k": 3, "dense": 0, "b": None}
+    assert shards.shard_dims(tree, 4) == {"k": 3, "dense": 0, "b": None}
 
 
 @pytest.mark.parametrize("change,words", [

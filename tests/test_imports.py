@@ -181,3 +181,41 @@ def test_only_the_layouts_decide_what_a_mesh_means():
                 factories.append(name)
     assert found == []
     assert sorted(factories) == ["trjax.steps", "trjax.train.trainer"]
+
+
+STRATEGIES = {"trjax.parallel.tensor": "tensor", "trjax.parallel.fsdp": "fsdp",
+              "trjax.parallel.pipeline": "pipeline", "trjax.parallel.stages": "pipeline",
+              "trjax.parallel.schedules": "pipeline", "trjax.parallel.stage_owned": "pipeline",
+              "trjax.parallel.zero_bubble": "pipeline"}
+"""Each strategy of ``trjax.parallel`` and the modules that are its own."""
+
+
+def strategy_violations(graph) -> list[str]:
+    """No strategy imports another (only ``trjax.parallel.mesh`` composes them); the
+    models import no parallelism."""
+    bad = []
+    for m, deps in graph.items():
+        for d in deps:
+            if m in STRATEGIES and d in STRATEGIES and STRATEGIES[m] != STRATEGIES[d]:
+                bad.append(f"{m} ({STRATEGIES[m]}) imports {d} ({STRATEGIES[d]})")
+            if m == "trjax.models" and d.startswith("trjax.parallel"):
+                bad.append(f"trjax.models imports {d}")
+    return sorted(bad)
+
+
+def test_no_strategy_imports_another_and_the_models_import_no_parallelism():
+    """Each parallel strategy adds its axis to a base layout (``layout(base, ...)``):
+    they meet on the ground floor (layout, shards, mappings) and in ``mesh.py`` only."""
+    assert strategy_violations({"trjax.parallel.fsdp": {"trjax.parallel.tensor"},
+                                "trjax.parallel.pipeline": {"trjax.parallel.schedules"},
+                                "trjax.models": {"trjax.parallel.mappings"}}) == [
+        "trjax.models imports trjax.parallel.mappings",
+        "trjax.parallel.fsdp (fsdp) imports trjax.parallel.tensor (tensor)"]
+    graph = import_graph()
+    assert set(STRATEGIES) <= set(graph)
+    assert strategy_violations(graph) == []
+    old = re.compile(r"tensor_axis|tensor_size|tensor_stages|tensor_head|split_model|"
+                     r"shard_tree|base is None")
+    found = [f"{name}:{i}" for name, path in module_files().items()
+             for i, line in enumerate(open(path), 1) if old.search(line)]
+    assert found == []

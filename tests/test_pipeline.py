@@ -435,14 +435,14 @@ def test_few_rows_per_batchnorm_warn(recwarn):
     """A user's M that leaves fewer than 16 rows per BatchNorm group warns, naming the rows
     and the fix; the default (M = 2: 16 rows) does not warn."""
     from trjax import models
-    from trjax.parallel import pipeline
+    from trjax.parallel import data_parallel, pipeline
     world = make_world("4", 64, mesh="data:2,stage:2")
     model = models.create_model("resnet8", num_classes=10, bn_mode="running", axis_name="data")
     with pytest.warns(UserWarning, match="each BatchNorm normalises 4 rows .running mode., "
                                          "fewer than 16"):
-        pipeline.layout(model, world, (8, 8, 1), "running", num_microbatches=8)
+        pipeline.layout(data_parallel(model, world, (8, 8, 1), "running"), num_microbatches=8)
     recwarn.clear()
-    lay = pipeline.layout(model, world, (8, 8, 1), "running", num_microbatches=0)
+    lay = pipeline.layout(data_parallel(model, world, (8, 8, 1), "running"), num_microbatches=0)
     assert lay.details["pipeline_microbatches"] == 2 and "BatchNorm over 16 rows" in lay.line
     assert not [w for w in recwarn if "BatchNorm normalises" in str(w.message)]
 

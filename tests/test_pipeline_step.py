@@ -126,7 +126,7 @@ def test_pipelined_step_equals_gradient_accumulation(bn_mode, mesh, schedule, tr
      "1f1b always recomputes"),
     (dict(mesh="data:2,stage:2", pipeline_stage_starts="stage2_block1,,stage3_block1"),
      "has an empty item"),
-    (dict(model_kwargs={"tensor_size": 4}), "config.model_kwargs sets ['tensor_size']"),
+    (dict(model_kwargs={"axis_name": "x"}), "config.model_kwargs sets ['axis_name']"),
     (dict(mesh="data:2,pipe:2"), "axis 'pipe' is unknown"),
 ])
 def test_model_parallel_config_errors(overrides, needle):

@@ -1,11 +1,13 @@
-"""Tensor parallelism (trjax.tensor): Megatron's f / g / gather, the split plan, the
-initial shards, and one tensor-parallel forward + backward against one device.
+"""Tensor parallelism (trjax.parallel.tensor, trjax.parallel.mappings): Megatron's f / g /
+gather, a built-in ResNet's default plan, the initial shards, and one tensor-parallel
+forward + backward against one device.
 
 Mesh ``data:D,model:T`` on simulated CPU devices (conftest: 8). The per-device step is
 ``shard_map(check_vma=False)``, as the train step that uses tensor parallelism runs.
 The reference is ONE device on the concatenated batch (``sync`` BatchNorm: exactly the
 same statistics) or, for ``running``, one device per data rank on that rank's rows.
 """
+import dataclasses
 import functools
 
 import jax
@@ -13,11 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from helpers import reorder_rounding_bound
-from trjax import comm, models, steps, tensor
+from trjax import comm, models, steps
 from trjax.batchnorm import update_running_tree
+from trjax.parallel import mappings, tensor
+from trjax.parallel.shards import local_shapes
 from trjax.world import make_world, parse_mesh
 
 
@@ -45,6 +49,22 @@ def full_init(num_classes):
     net = models.as_network(resnet8(num_classes))
     v = jax.jit(lambda k: net.init(k, IMAGE))(jax.random.key(0))
     return jax.tree_util.tree_map(np.asarray, v)
+
+
+def split(module, t, image=IMAGE):
+    """``(network, param specs, stats specs)``: ``module`` split t ways over ``model`` by
+    its default plan, as :func:`trjax.parallel.tensor.layout` splits it."""
+    net = models.as_network(module)
+    roles = tensor.resolve(net, tensor.default_plan(module), image, t)
+    v = net.abstract_variables(image)
+    return (dataclasses.replace(net, layer_plan=tensor.Plan(roles, "model", t)),
+            tensor.specs(v["params"], roles), tensor.specs(v["batch_stats"], roles))
+
+
+def shard_tree(tree, specs, mesh):
+    """Whole arrays laid out on ``mesh`` by ``specs`` (each device holds its slice)."""
+    return jax.tree_util.tree_map(lambda x, s: jax.device_put(x, NamedSharding(mesh, s)),
+                                  tree, specs, is_leaf=lambda x: isinstance(x, P))
 
 
 def batch(num_classes, seed=0):
@@ -95,9 +115,9 @@ def test_mappings_give_exact_gradients_where_plain_psum_does_not(check_vma):
 
     one = {"f": lambda v: v, "g": lambda v: v, "gather": lambda v: v}
     ref = jax.jit(jax.grad(lambda *a: loss(*a, one), argnums=(0, 1, 2, 3)))(x, w1, w2, w3)
-    megatron = {"f": lambda v: tensor.copy_to_model(v, "model"),
-                "g": lambda v: tensor.reduce_from_model(v, "model"),
-                "gather": lambda v: tensor.gather_from_model(v, "model", -1)}
+    megatron = {"f": lambda v: mappings.copy_to_model(v, "model"),
+                "g": lambda v: mappings.reduce_from_model(v, "model"),
+                "gather": lambda v: mappings.gather_from_model(v, "model", -1)}
     plain = {"f": lambda v: v, "g": lambda v: lax.psum(v, "model"),
              "gather": lambda v: lax.all_gather(v, "model", axis=1, tiled=True)}
 
@@ -131,57 +151,48 @@ def test_mappings_give_exact_gradients_where_plain_psum_does_not(check_vma):
 # -- the plan, the specs, the initial shards -----------------------------------------------
 
 
-def test_split_plan_specs_and_errors():
+def test_default_plan_specs_and_errors():
     m = resnet8()
-    assert tensor.split_layers(m) == {
+    assert tensor.default_plan(m) == {"stage3_block1/Conv_0": "column",
+                                      "stage3_block1/Conv_1": "row", "head": "column"}
+    net = models.as_network(m)
+    assert tensor.resolve(net, tensor.default_plan(m), IMAGE, 2) == {
         ("stage3_block1", "Conv_0"): "column", ("stage3_block1", "BatchNorm_0"): "channel",
         ("stage3_block1", "Conv_1"): "row", ("head",): "head"}
     v = full_init(10)
-    specs = tensor.param_specs(v["params"], m)
-    split = {k: s for k, _, s in leaves_with_specs(v["params"], specs) if s != P()}
-    assert split == {
+    _, specs, sspecs = split(m, 2)
+    split_leaves = {k: s for k, _, s in leaves_with_specs(v["params"], specs) if s != P()}
+    assert split_leaves == {
         "['head']['bias']": P("model"), "['head']['kernel']": P(None, "model"),
         "['stage3_block1']['BatchNorm_0']['bias']": P("model"),
         "['stage3_block1']['BatchNorm_0']['scale']": P("model"),
         "['stage3_block1']['Conv_0']['kernel']": P(None, None, None, "model"),
         "['stage3_block1']['Conv_1']['kernel']": P(None, None, "model", None)}
-    sspecs = tensor.stats_specs(v["batch_stats"], m)
     assert {k for k, _, s in leaves_with_specs(v["batch_stats"], sspecs) if s != P()} == {
         "['stage3_block1']['BatchNorm_0']['mean']", "['stage3_block1']['BatchNorm_0']['var']"}
-    local = tensor.local_shapes(v["params"], specs, {"data": 2, "model": 2})
+    local = local_shapes(v["params"], specs, {"data": 2, "model": 2})
     assert local["stage3_block1"]["Conv_0"]["kernel"].shape == (3, 3, 32, 32)
     assert local["stage3_block1"]["Conv_1"]["kernel"].shape == (3, 3, 32, 64)
     assert local["head"]["kernel"].shape == (64, 5)
     assert local["stage3_block1"]["proj_conv"]["kernel"].shape == (1, 1, 32, 64)
-    # an explicit choice: stages 2 and 3, head replicated
-    m2 = resnet8(tensor_stages=(2, -1), tensor_head=False)
-    assert {k[0] for k in tensor.split_layers(m2)} == {"stage2_block1", "stage3_block1"}
     # errors before anything is traced, naming the layer, its channels and valid sizes
-    with pytest.raises(ValueError, match=r"head.*10 classes.*\[1, 2\].*tensor_head=False"):
-        tensor.check_tensor_split(m, 4)
-    tensor.check_tensor_split(resnet8(8), 4)
-    tensor.check_tensor_split(resnet8(tensor_head=False), 4)
-    with pytest.raises(ValueError, match=r"stage3_block1/Conv_0.*64 output channels.*\[1, 2\]"):
-        tensor.check_tensor_split(m, 3)
-    with pytest.raises(ValueError, match="positive int"):
-        tensor.check_tensor_split(m, 0)
-    with pytest.raises(ValueError, match="stage 4"):
-        tensor.split_layers(resnet8(tensor_stages=(4,)))
-    with pytest.raises(TypeError, match="built-in ResNets"):
-        tensor.split_layers(models.nn.Dense(3))
+    with pytest.raises(ValueError, match=r"head splits its 10 output channels.*\[1, 2, 5, 10\]"):
+        tensor.resolve(net, tensor.default_plan(m), IMAGE, 4)
+    tensor.resolve(models.as_network(resnet8(8)), tensor.default_plan(m), IMAGE, 4)
+    with pytest.raises(ValueError, match=r"stage3_block1/Conv_0 splits its 64 output channels"):
+        tensor.resolve(net, tensor.default_plan(m), IMAGE, 3)
     with pytest.raises(ValueError, match="divide"):
-        tensor.local_shapes(v["params"], specs, {"model": 3})
+        local_shapes(v["params"], specs, {"model": 3})
 
 
 def test_initial_shards_are_the_unsplit_parameters_slices_bitwise():
     """Megatron's test_initialization.py: every device's shard of every leaf equals the
     numpy slice of the unsplit initialisation, bit for bit, on data:2,model:2."""
     world = make_world("4", BATCH, mesh="data:2,model:2")
-    m = resnet8()
     v = full_init(10)
-    for coll, specs in (("params", tensor.param_specs(v["params"], m)),
-                        ("batch_stats", tensor.stats_specs(v["batch_stats"], m))):
-        sharded = tensor.shard_tree(v[coll], specs, world.mesh)
+    _, pspecs, sspecs = split(resnet8(), 2)
+    for coll, specs in (("params", pspecs), ("batch_stats", sspecs)):
+        sharded = shard_tree(v[coll], specs, world.mesh)
         for (path, g), (_, full, spec) in zip(
                 jax.tree_util.tree_flatten_with_path(sharded)[0],
                 leaves_with_specs(v[coll], specs)):
@@ -193,32 +204,14 @@ def test_initial_shards_are_the_unsplit_parameters_slices_bitwise():
                 assert got.shape == want.shape and got.tobytes() == want.tobytes(), path
 
 
-def test_tensor_size_one_is_the_unsplit_model_bitwise():
-    base, one = resnet8(), resnet8(tensor_axis="model", tensor_size=1)
-    va, vb = (jax.jit(lambda k, n=models.as_network(m): n.init(k, IMAGE))(jax.random.key(0))
-              for m in (base, one))
-    assert jax.tree_util.tree_structure(va) == jax.tree_util.tree_structure(vb)
-    for a, b in zip(jax.tree_util.tree_leaves(va), jax.tree_util.tree_leaves(vb)):
-        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
-    x = batch(10)["image"]
-    apply = lambda m: jax.jit(lambda v, x: m.apply(v, x, train=True, mutable=["batch_stats"]))
-    (la, sa), (lb, sb) = apply(resnet8(axis_name=None))(va, x), \
-        apply(resnet8(axis_name=None, tensor_axis="model", tensor_size=1))(vb, x)
-    assert np.asarray(la).tobytes() == np.asarray(lb).tobytes()
-    assert all(np.asarray(a).tobytes() == np.asarray(b).tobytes()
-               for a, b in zip(jax.tree_util.tree_leaves(sa), jax.tree_util.tree_leaves(sb)))
-
-
 # -- forward + backward against one device ----------------------------------------------------
 
 
-def tp_step(world, tp_model, v, bn_mode):
+def tp_step(world, tp_model, v, bn_mode, pspecs, sspecs):
     """The compiled per-device forward + backward of ``tp_model`` (shard_map over the
     whole mesh, check_vma=False): grads and metric sums psum'd over data, BN sums
     too in ``running``, then the running update. Every output stacked per device
     (leading axis D*T in mesh order). Returns ``(compiled, args)``."""
-    pspecs = tensor.param_specs(v["params"], tp_model)
-    sspecs = tensor.stats_specs(v["batch_stats"], tp_model)
 
     def per_device(params, stats, b):
         grads, sums, bn_sums, rules = steps.forward_backward(
@@ -232,9 +225,9 @@ def tp_step(world, tp_model, v, bn_mode):
     fn = jax.jit(jax.shard_map(per_device, mesh=world.mesh,
                                in_specs=(pspecs, sspecs, P("data")),
                                out_specs=P(("data", "model")), check_vma=False))
-    args = (tensor.shard_tree(v["params"], pspecs, world.mesh),
-            tensor.shard_tree(v["batch_stats"], sspecs, world.mesh),
-            jax.device_put(batch(tp_model.num_classes), world.sharded()))
+    args = (shard_tree(v["params"], pspecs, world.mesh),
+            shard_tree(v["batch_stats"], sspecs, world.mesh),
+            jax.device_put(batch(tp_model.module.num_classes), world.sharded()))
     return fn.lower(*args).compile(), args, (pspecs, sspecs)
 
 
@@ -261,8 +254,9 @@ def compiled_case(mesh, num_classes, bn_mode):
     """``(world, tp_model, (compiled step, args, specs))``, compiled once per case."""
     world = make_world(str(np.prod([s for _, s in parse_mesh(mesh)])), BATCH, mesh=mesh)
     t = int(world.mesh.shape["model"])
-    tp_model = tensor.split_model(resnet8(num_classes, bn_mode), "model", t)
-    return world, tp_model, tp_step(world, tp_model, full_init(num_classes), bn_mode)
+    tp_model, pspecs, sspecs = split(resnet8(num_classes, bn_mode), t)
+    return world, tp_model, tp_step(world, tp_model, full_init(num_classes), bn_mode, pspecs,
+                                    sspecs)
 
 
 def reference(num_classes, bn_mode, data_size):
@@ -317,7 +311,7 @@ def test_tensor_parallel_step_equals_one_device(mesh, num_classes, bn_mode):
     assert np.all(np.abs(got[1] - want[1][None]) <= lim), (got[1], want[1])
     worst = max(worst, float(np.abs(got[1] - want[1][None]).max() / lim))
     # BN sums [2C+1]: a split BN's are its channels' (C, then C, then n)
-    split_bn = {k for k, role in tensor.split_layers(tp_model).items() if role == "channel"}
+    split_bn = {k for k, role in tp_model.layer_plan.roles.items() if role == "channel"}
     for path, w in ((p, np.asarray(x))
                     for p, x in jax.tree_util.tree_flatten_with_path(want[2])[0]):
         keys = tuple(k.key for k in path)
@@ -386,10 +380,8 @@ def test_evaluation_with_folded_batchnorm_gives_the_full_logits():
     data:2,model:2: every device's logits [B/2, 10] are the one-device ones."""
     world = make_world("4", BATCH, mesh="data:2,model:2")
     v = full_init(10)
-    net = models.as_network(tensor.split_model(resnet8(), "model", 2))
+    net, pspecs, sspecs = split(resnet8(), 2)
     ref_net = models.as_network(resnet8(axis_name=None))
-    pspecs = tensor.param_specs(v["params"], net.module)
-    sspecs = tensor.stats_specs(v["batch_stats"], net.module)
     x = batch(10)["image"]
 
     def per_device(params, stats, x):
@@ -397,8 +389,8 @@ def test_evaluation_with_folded_batchnorm_gives_the_full_logits():
     got = np.asarray(jax.jit(jax.shard_map(
         per_device, mesh=world.mesh, in_specs=(pspecs, sspecs, P("data")),
         out_specs=P(("data", "model")), check_vma=False))(
-            tensor.shard_tree(v["params"], pspecs, world.mesh),
-            tensor.shard_tree(v["batch_stats"], sspecs, world.mesh), x))
+            shard_tree(v["params"], pspecs, world.mesh),
+            shard_tree(v["batch_stats"], sspecs, world.mesh), x))
     want = np.asarray(jax.jit(lambda p, s, x: ref_net.apply_eval(p, ref_net.fold(p, s), x, True))(
         v["params"], v["batch_stats"], x))
     for dev in range(4):
@@ -413,9 +405,8 @@ def test_bottleneck_split_equals_one_device():
     mk = lambda axis: models.ResNet(stage_sizes=(1, 1), block=models.Bottleneck, widths=(4, 8),
                                     stem_width=8, num_classes=6, bn_mode="sync", axis_name=axis)
     world = make_world("4", BATCH, mesh="data:2,model:2")
-    full, tp = mk(None), tensor.split_model(mk("data"), "model", 2)
+    full, (tp, ps, ss) = mk(None), split(mk("data"), 2)
     v = jax.jit(lambda k: models.as_network(full).init(k, IMAGE))(jax.random.key(0))
-    ps, ss = tensor.param_specs(v["params"], tp), tensor.stats_specs(v["batch_stats"], tp)
     assert ps["stage2_block1"]["Conv_1"]["kernel"] == P(None, None, "model", None)
     assert ps["stage2_block1"]["Conv_2"]["kernel"] == P()
     b = batch(6)
@@ -425,8 +416,7 @@ def test_bottleneck_split_equals_one_device():
         return lax.psum((g, sums), "data")
     got = jax.jit(jax.shard_map(per_device, mesh=world.mesh, in_specs=(ps, ss, P("data")),
                                 out_specs=(ps, P()), check_vma=False))(
-        tensor.shard_tree(v["params"], ps, world.mesh),
-        tensor.shard_tree(v["batch_stats"], ss, world.mesh), b)
+        shard_tree(v["params"], ps, world.mesh), shard_tree(v["batch_stats"], ss, world.mesh), b)
     want = jax.jit(lambda p, s, b: steps.forward_backward(
         full, p, s, b, bn_mode="sync", axis_name=None)[:2])(v["params"], v["batch_stats"], b)
     got, want = jax.tree_util.tree_map(np.asarray, (got, want))

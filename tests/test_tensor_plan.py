@@ -14,7 +14,8 @@ import pytest
 from flax import nnx
 
 from helpers import assert_within_bound_except_still, put_like, small_config, to_host
-from trjax import comm, models, tensor_plan
+from trjax import comm, models
+from trjax.parallel import tensor as tensor_plan
 from trjax.data import input_pipeline as ip
 from trjax.train import trainer
 
@@ -174,17 +175,15 @@ def test_your_own_model_with_a_plan_equals_data_parallel(make, plan):
     np.testing.assert_allclose(va["sums"], vb["sums"], rtol=1e-4)
     cols = comm.collectives_in_hlo(comm.hlo_text(tp.train_step.compiled))
     over = sorted(c["kind"] for c in cols if comm.axis_of(c, tp.world.mesh) == "model")
-    pairs = sum(r == "row" for r in tp.layout.network.tensor_roles.values())
+    pairs = sum(r == "row" for r in tp.layout.network.layer_plan.roles.values())
     # per pair: g forward and f backward; the head: its gather forward and f backward
     assert over == ["all-gather"] + ["all-reduce"] * (2 * pairs + 1), over
 
 
 def test_a_resnets_default_split_is_its_default_plan():
-    """ResNet-8 on data:2,model:2 without a plan splits by tensor_plan.default_plan (the
+    """ResNet-8 on data:2,model:2 without a plan splits by tensor.default_plan (the
     last stage's block pair and the head) through flax's intercepted layers: the same roles
-    and specs as that plan given explicitly, and bitwise the same step. (Before this plan
-    path, the blocks split themselves, trjax.tensor.split_model: given as a plan, the same
-    step landed bitwise where the blocks' own split lands, measured 2026-12-04.)"""
+    and specs as that plan given explicitly, and bitwise the same step."""
     data = ip.load_digits()
     batch = {"image": data.train.images[:GLOBAL], "label": data.train.labels[:GLOBAL],
              "mask": np.ones(GLOBAL, np.float32)}
@@ -197,7 +196,7 @@ def test_a_resnets_default_split_is_its_default_plan():
         after, m = tr.train_step(tr.state, ip.to_device(batch, tr.world.sharded(), 10))
         runs.append((tr, to_host(after), to_host(m)))
     (b, a0, m0), (g, a1, m1) = runs
-    assert b.layout.network.tensor_roles == g.layout.network.tensor_roles == {
+    assert b.layout.network.layer_plan.roles == g.layout.network.layer_plan.roles == {
         ("stage3_block1", "Conv_0"): "column", ("stage3_block1", "BatchNorm_0"): "channel",
         ("stage3_block1", "Conv_1"): "row", ("head",): "head"}
     assert b.layout.network.folds  # a ResNet still folds BatchNorm for its evaluation

@@ -16,22 +16,28 @@ order data flows (each imports only modules above it):
 * ``exchange`` -- the gradient exchange, an optax-shaped ``(init, update)``
   pair (all-reduce, compressed, sharded optimizer state); ``state`` -- the
   TrainState and its one-program initialisation.
-* ``tensor`` -- Megatron's mappings (``f``, ``g``, the gather) and which layers of a
-  ResNet split over a ``model`` axis; ``objective`` -- the per-device forward +
-  backward, the recipe's losses and mixing (``StepOptions``).
+* ``objective`` -- the per-device forward + backward, the recipe's losses and
+  mixing (``StepOptions``).
 * ``steps`` -- the per-device train/eval steps inside ``shard_map``, built from a
   layout; ``aot`` -- compiled once ahead of time with fixed shapes and donation.
 * ``comm`` (the compiled HLO's collectives) -> ``report`` (the comm report).
 
-``trjax.parallel`` is parallelism's home: one ``Layout`` per mesh (``data_parallel``,
-``parallel.tensor.layout``, ``parallel.pipeline.layout`` with GPipe and 1F1B;
-``from_config`` chooses by ``config.mesh``), the only code that reads axis names.
+``trjax.parallel`` is parallelism's home, the only code that decides what a mesh
+axis means: one ``Layout`` per mesh, composed by ``parallel.from_config``
+(``parallel/mesh.py``) from ``data_parallel`` (``parallel/layout.py``) upwards, each
+strategy's ``layout(base, ...)`` adding its axis: ``parallel/tensor.py`` (``model``:
+Megatron's split of any flax model by a plan keyed by module path),
+``parallel/pipeline.py`` (``stage``: the stage runner and the layout, with
+``stages.py``, ``schedules.py`` (GPipe, 1F1B), ``zero_bubble.py`` (ZB-H1) and
+``stage_owned.py``), ``parallel/fsdp.py`` (``fsdp``: ZeRO-3). Their ground floor:
+``parallel/shards.py`` (the leaf-splitting arithmetic) and ``parallel/mappings.py``
+(Megatron's ``f``, ``g``, gather). The axis names are one table in ``world``.
 
-The machinery lives in sub-packages: ``trjax.data`` (sources, augmentation,
-the host input pipeline), ``trjax.cpu`` (the XLA:CPU backend, its compile
+The machinery lives in sub-packages: ``trjax.data`` (data sets, ``sources`` --
+records, HF and ArrayRecord --, augmentation, the host input pipeline), ``trjax.cpu`` (the XLA:CPU backend, its compile
 options, im2col), ``trjax.train`` (config, trainer, loop, checkpoints, stops,
-several processes, the compilation cache, the ``trjax-train`` command in
-``main``) and ``trjax.configs`` (the shipped configs). ``data`` and ``cpu`` import
+several processes, the compilation cache, ``init_from`` (published weights), the
+``trjax-train`` command in ``main``) and ``trjax.configs`` (the shipped configs). ``data`` and ``cpu`` import
 nothing else of trjax; the design never imports ``data`` or ``train``; nothing
 outside ``train`` imports it; ``parallel`` imports the design below the step (never
 ``steps``, ``data`` or ``train``) and only ``train`` imports ``parallel``

@@ -32,13 +32,10 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from trjax.batchnorm import (BatchNorm, BatchNormContext, fold_batchnorm_tree, linen_interceptor,
                              nnx_context, swap_nnx_batchnorms)
-from trjax import tensor_plan
 from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
-from trjax.tensor import copy_to_model, gather_from_model, reduce_from_model, split_stages
 
 
 def normalize(images, mean, std, dtype=jnp.float32):
@@ -64,42 +61,23 @@ def normalize(images, mean, std, dtype=jnp.float32):
     return x.astype(dtype)
 
 
-def _tensor_split(block) -> int:
-    """The model-axis size a block splits over (1: not split), checked."""
-    t = block.tensor_size if block.tensor_axis is not None else 1
-    if t > 1 and block.features % t:
-        raise ValueError(f"{block.name}: {block.features} channels do not divide over "
-                         f"tensor_size={t} (see trjax.tensor.check_tensor_split)")
-    return t
-
-
-class BasicBlock(nn.Module):
-    """Two 3x3 convolutions and the shortcut (a 1x1 projection when the shape changes).
-
-    ``tensor_axis`` / ``tensor_size`` > 1 (set by :class:`ResNet` for its split
-    stages, :mod:`trjax.tensor`): ``Conv_0`` column-parallel (``features /
-    tensor_size`` output channels here) after Megatron's ``f``, ``BatchNorm_0``
-    on those channels, ``Conv_1`` row-parallel followed by ``g`` (the
-    all-reduce over ``tensor_axis``); the rest replicated. Apply it inside
-    ``shard_map`` to the local parameter slices.
-    """
+class _Block(nn.Module):
+    """A residual block's fields: its width, stride, BatchNorm and convolution."""
     features: int
     strides: int
     norm: Any
     conv: Any = functools.partial(nn.Conv, use_bias=False)
-    tensor_axis: Optional[str] = None
-    tensor_size: int = 1
+
+
+class BasicBlock(_Block):
+    """Two 3x3 convolutions and the shortcut (a 1x1 projection when the shape changes)."""
 
     @nn.compact
     def __call__(self, x, train, mask):
         conv = self.conv
-        t = _tensor_split(self)
-        y = copy_to_model(x, self.tensor_axis) if t > 1 else x
-        y = conv(self.features // t, (3, 3), (self.strides, self.strides), padding=1)(y)
+        y = conv(self.features, (3, 3), (self.strides, self.strides), padding=1)(x)
         y = nn.relu(self.norm()(y, train, mask))
         y = conv(self.features, (3, 3), padding=1)(y)
-        if t > 1:
-            y = reduce_from_model(y, self.tensor_axis)
         y = self.norm()(y, train, mask)
         if x.shape[-1] != self.features or self.strides != 1:
             x = conv(self.features, (1, 1), (self.strides, self.strides), name="proj_conv")(x)
@@ -107,31 +85,15 @@ class BasicBlock(nn.Module):
         return nn.relu(x + y)
 
 
-class Bottleneck(nn.Module):
-    """1x1 -> 3x3 (strided) -> 1x1 (4x wider) convolutions and the shortcut.
-
-    ``tensor_axis`` / ``tensor_size`` > 1 (:mod:`trjax.tensor`): ``Conv_0``
-    (1x1) column-parallel after ``f``, ``BatchNorm_0`` on its local channels,
-    ``Conv_1`` (the 3x3, the widest) row-parallel followed by ``g``;
-    ``BatchNorm_1``, ``Conv_2``, ``BatchNorm_2`` and the projection replicated.
-    """
-    features: int
-    strides: int
-    norm: Any
-    conv: Any = functools.partial(nn.Conv, use_bias=False)
-    tensor_axis: Optional[str] = None
-    tensor_size: int = 1
+class Bottleneck(_Block):
+    """1x1 -> 3x3 (strided) -> 1x1 (4x wider) convolutions and the shortcut."""
 
     @nn.compact
     def __call__(self, x, train, mask):
         conv = self.conv
-        t = _tensor_split(self)
-        y = copy_to_model(x, self.tensor_axis) if t > 1 else x
-        y = conv(self.features // t, (1, 1))(y)
+        y = conv(self.features, (1, 1))(x)
         y = nn.relu(self.norm()(y, train, mask))
         y = conv(self.features, (3, 3), (self.strides, self.strides), padding=1)(y)
-        if t > 1:
-            y = reduce_from_model(y, self.tensor_axis)
         y = nn.relu(self.norm()(y, train, mask))
         y = conv(self.features * 4, (1, 1))(y)
         y = self.norm()(y, train, mask)
@@ -162,15 +124,6 @@ class ResNet(nn.Module):
         (Goyal et al. 2017; the Flax ImageNet example's ``scale_init=zeros``).
         Applied by :meth:`Network.init` (:func:`zero_init_residual_scales`);
         ``False`` leaves the parameters bitwise as without it.
-      tensor_axis, tensor_size: tensor parallelism (Megatron, :mod:`trjax.tensor`):
-        with ``tensor_size > 1`` the blocks of ``tensor_stages`` and (with
-        ``tensor_head``) the head are split over the mesh axis ``tensor_axis``
-        of that size; apply the model inside ``shard_map`` to the local slices
-        (:func:`trjax.tensor.param_specs`); logits stay ``[B, num_classes]``.
-        ``None`` / 1 (the default): the model as without these fields, bitwise.
-      tensor_stages: 1-based stage numbers to split (``None``: the last stage).
-      tensor_head: split the head over classes (``num_classes`` must divide by
-        ``tensor_size``); ``False`` keeps it replicated.
       blocks: ``(lo, hi)``: run only residual blocks ``lo .. hi-1`` (in call
         order), with the stem when ``lo == 0`` and the pooling + head when
         ``hi`` is the last: a pipeline stage (:func:`trjax.parallel.pipeline.stage_modules`),
@@ -192,10 +145,6 @@ class ResNet(nn.Module):
     dtype: Any = jnp.float32
     conv_lowering: str = "auto"
     zero_init_residual: bool = False
-    tensor_axis: Optional[str] = None
-    tensor_size: int = 1
-    tensor_stages: Optional[Sequence[int]] = None
-    tensor_head: bool = True
     blocks: Optional[tuple] = None
 
     def blocks_info(self, image_shape: Sequence[int]) -> list[dict]:
@@ -258,11 +207,6 @@ class ResNet(nn.Module):
     def __call__(self, x, train: bool = True, mask=None):
         total = sum(self.stage_sizes)
         lo, hi = self.blocks if self.blocks is not None else (0, total)
-        t = self.tensor_size if self.tensor_axis is not None else 1
-        if t > 1 and lax.axis_size(self.tensor_axis) != t:
-            raise ValueError(f"tensor_size={t} but the mesh axis {self.tensor_axis!r} has "
-                             f"{lax.axis_size(self.tensor_axis)} devices")
-        split = split_stages(len(self.stage_sizes), self.tensor_stages) if t > 1 else ()
         norm = functools.partial(BatchNorm, mode=self.bn_mode, axis_name=self.axis_name,
                                  momentum=self.bn_momentum, dtype=self.dtype)
         im2col = resolve_conv_lowering(self.conv_lowering) == "im2col"
@@ -281,21 +225,12 @@ class ResNet(nn.Module):
             for j in range(n_blocks):
                 if lo <= k < hi:
                     strides = 2 if i > 0 and j == 0 else 1
-                    tensor = ({"tensor_axis": self.tensor_axis, "tensor_size": t}
-                              if i + 1 in split else {})
                     x = self.block(width, strides, norm, conv,
-                                   name=f"stage{i + 1}_block{j + 1}", **tensor)(x, train, mask)
+                                   name=f"stage{i + 1}_block{j + 1}")(x, train, mask)
                 k += 1
         if hi < total:
             return x
         x = jnp.mean(x, axis=(1, 2))
-        if t > 1 and self.tensor_head:
-            if self.num_classes % t:
-                raise ValueError(f"head: num_classes={self.num_classes} does not divide over "
-                                 f"tensor_size={t} (see trjax.tensor.check_tensor_split)")
-            x = copy_to_model(x, self.tensor_axis)
-            x = nn.Dense(self.num_classes // t, dtype=self.dtype, name="head")(x)
-            return gather_from_model(x.astype(jnp.float32), self.tensor_axis, -1)
         x = nn.Dense(self.num_classes, dtype=self.dtype, name="head")(x)
         return x.astype(jnp.float32)
 
@@ -598,10 +533,11 @@ class Network:
         step's key in training (and in evaluation when required).
       bn_momentum: every BatchNorm's running momentum (``config.bn_momentum``),
         or ``None``: each layer keeps its own.
-      tensor_roles: a resolved tensor plan (``{module path: role}``,
-        :func:`trjax.tensor_plan.resolve`) applied to flax's own layers in
-        every apply, on the ``tensor_axis`` of ``tensor_size`` devices (inside
-        ``shard_map``, on the parameter slices), or ``None``.
+      layer_plan: what changes how flax's own layers run in every apply, or
+        ``None``: an object with ``linen()`` (a :func:`flax.linen.intercept_methods`
+        interceptor) and ``nnx(model)`` (swaps a merged nnx model's layers in
+        place); the tensor plan (:class:`trjax.parallel.tensor.Plan`: Megatron's
+        split, inside ``shard_map`` on the parameter slices) is one.
     """
     module: Any
     kind: str = "linen"
@@ -614,22 +550,19 @@ class Network:
     nnx: Optional[_NNXParts] = None
     call_rngs: Optional[str] = None
     bn_momentum: Optional[float] = None
-    tensor_roles: Optional[dict] = None
-    tensor_axis: str = "model"
-    tensor_size: int = 1
+    layer_plan: Any = None
 
     def _split(self):
-        """The tensor plan's linen interception (a null context without a plan)."""
-        if not self.tensor_roles:
+        """The layer plan's linen interception (a null context without one)."""
+        if self.layer_plan is None:
             return contextlib.nullcontext()
-        return nn.intercept_methods(tensor_plan.linen_interceptor(
-            self.tensor_roles, self.tensor_axis, self.tensor_size))
+        return nn.intercept_methods(self.layer_plan.linen())
 
     def _merge(self, params, batch_stats, rng):
-        """The nnx model for one trace, with the tensor plan's layers swapped in."""
+        """The nnx model for one trace, with the layer plan's layers swapped in."""
         model = self.nnx.merge(params, batch_stats, rng)
-        if self.tensor_roles:
-            tensor_plan.swap_nnx_layers(model, self.tensor_roles, self.tensor_axis)
+        if self.layer_plan is not None:
+            self.layer_plan.nnx(model)
         return model
 
     def _flag(self, train: bool) -> dict:

@@ -44,56 +44,7 @@ def comm_report(tr) -> dict:
                            "ring_traffic_per_rank_bytes": comm.ring_traffic_bytes(plan.bucket_bytes(b), n)}
                        for b, e in plan.bucket_elements.items()}}
     for step in tr.compiled:
-        text = comm.hlo_text(step.compiled)
-        req = comm.requested_collectives(step.lowered_text)
-        if text is None:  # a backend without HLO text: report what the program requested
-            out[step.name] = {"collectives": None, "count": None, "compiled_bytes": None,
-                              "hlo": "unavailable (Compiled.as_text() gave no text)",
-                              "requested": {"count": len(req),
-                                            "bytes": sum(c["bytes"] for c in req),
-                                            "dtypes": sorted({o["dtype"] for c in req
-                                                              for o in c["operands"]})}}
-            if step.name == "train_step":
-                out.update(gradient_all_reduces=None, first_conv_wgrad_positions=None,
-                           deep_before_first_conv_wgrad=None, bucket_elements_match_plan=None,
-                           deep_waits_for_first_conv_wgrad=None,
-                           async_collectives=None)
-            continue
-        cols = comm.label_collectives(comm.collectives_in_hlo(text), labels)
-        mesh = tr.world.mesh
-        for c in cols:
-            axis = comm.axis_of(c, mesh)
-            c["axis"] = "+".join(axis) if isinstance(axis, tuple) else axis
-            if set(c["carries"]) == {"other"} and axis in tr.layout.collective_labels:
-                c["carries"] = [tr.layout.collective_labels[axis].get(c["kind"], "other")]
-        out[step.name] = {"collectives": cols, "count": len(cols),
-                          "by_axis": {("+".join(a) if isinstance(a, tuple) else str(a)):
-                                      {"count": v["count"], "bytes": v["bytes"]}
-                                      for a, v in comm.by_axis(cols, mesh).items()},
-                          "compiled_bytes": sum(c["bytes"] for c in cols),
-                          "requested": {"count": len(req), "bytes": sum(c["bytes"] for c in req),
-                                        "dtypes": sorted({o["dtype"] for c in req
-                                                          for o in c["operands"]})}}
-        if step.name == "train_step":
-            grads = [c for c in cols if any(l.startswith("bucket:") for l in c["carries"])]
-            out["gradient_all_reduces"] = len(grads)
-            out["async_collectives"] = sum(c["async"] for c in cols)
-            regions = [s.region for s in plan.slots]  # a model whose one kernel layer is
-            first = plan.slots[regions.index(Region.FIRST_CONV)] \
-                if Region.FIRST_CONV in regions else None  # also its classifier has none
-            wgrad = comm.conv_positions(text, first.shape) if first is not None and \
-                len(first.shape) == 4 else []
-            first_bucket = labels[next(iter(plan.bucket_elements.values()))]
-            deep = [c["position"] for c in grads if first_bucket in c["carries"]]
-            out["first_conv_wgrad_positions"] = wgrad
-            out["deep_before_first_conv_wgrad"] = bool(deep and wgrad and max(deep) < min(wgrad))
-            # what trjax guarantees for any model: the deep all-reduce never waits for
-            # the first conv's weight gradient (the order above is XLA's choice)
-            out["deep_waits_for_first_conv_wgrad"] = comm.depends_on(text, deep, wgrad) \
-                if deep and wgrad else None
-            out["bucket_elements_match_plan"] = sorted(c["elements"] for c in grads
-                                                       if len(c["operands"]) == 1) == \
-                sorted(plan.bucket_elements.values())
+        out.update(_step_report(tr, step, labels))
     grad_bytes = sum(plan.bucket_bytes(b) for b in plan.bucket_elements)
     n_grad = n
     out["mesh"] = tr.world.mesh_spec
@@ -159,3 +110,64 @@ def format_report(r: dict) -> str:
                      f"(M={p['microbatches']}, mu={p['micro_batch']}, boundaries "
                      f"{p['boundary_shapes']}); the loop issues {p['issued_bytes']} B")
     return "\n".join(lines)
+
+
+def _requested(req) -> dict:
+    return {"count": len(req), "bytes": sum(c["bytes"] for c in req),
+            "dtypes": sorted({o["dtype"] for c in req for o in c["operands"]})}
+
+
+def _step_report(tr, step, labels) -> dict:
+    """``{step name: its collectives (labelled, with their mesh axis) and byte
+    counts}``, and for the train step :func:`_bucket_order`'s keys."""
+    text = comm.hlo_text(step.compiled)
+    req = comm.requested_collectives(step.lowered_text)
+    if text is None:  # a backend without HLO text: report what the program requested
+        out = {step.name: {"collectives": None, "count": None, "compiled_bytes": None,
+                           "hlo": "unavailable (Compiled.as_text() gave no text)",
+                           "requested": _requested(req)}}
+        if step.name == "train_step":
+            out.update(dict.fromkeys(("gradient_all_reduces", "first_conv_wgrad_positions",
+                                      "deep_before_first_conv_wgrad",
+                                      "bucket_elements_match_plan",
+                                      "deep_waits_for_first_conv_wgrad", "async_collectives")))
+        return out
+    cols = comm.label_collectives(comm.collectives_in_hlo(text), labels)
+    mesh = tr.world.mesh
+    for c in cols:
+        axis = comm.axis_of(c, mesh)
+        c["axis"] = "+".join(axis) if isinstance(axis, tuple) else axis
+        if set(c["carries"]) == {"other"} and axis in tr.layout.collective_labels:
+            c["carries"] = [tr.layout.collective_labels[axis].get(c["kind"], "other")]
+    out = {step.name: {"collectives": cols, "count": len(cols),
+                       "by_axis": {("+".join(a) if isinstance(a, tuple) else str(a)):
+                                   {"count": v["count"], "bytes": v["bytes"]}
+                                   for a, v in comm.by_axis(cols, mesh).items()},
+                       "compiled_bytes": sum(c["bytes"] for c in cols),
+                       "requested": _requested(req)}}
+    if step.name == "train_step":
+        out.update(_bucket_order(tr.plan, text, cols, labels))
+    return out
+
+
+def _bucket_order(plan, text: str, cols: list, labels: dict) -> dict:
+    """The train step's gradient all-reduces: their count, whether the deep bucket's
+    is scheduled before the first conv's weight gradient (XLA's choice) or waits for
+    it (a data dependency: never, for any model), and whether their sizes are the plan's."""
+    grads = [c for c in cols if any(lab.startswith("bucket:") for lab in c["carries"])]
+    regions = [s.region for s in plan.slots]  # a model whose one kernel layer is
+    first = plan.slots[regions.index(Region.FIRST_CONV)] \
+        if Region.FIRST_CONV in regions else None  # also its classifier has none
+    wgrad = comm.conv_positions(text, first.shape) if first is not None and \
+        len(first.shape) == 4 else []
+    first_bucket = labels[next(iter(plan.bucket_elements.values()))]
+    deep = [c["position"] for c in grads if first_bucket in c["carries"]]
+    return {"gradient_all_reduces": len(grads),
+            "async_collectives": sum(c["async"] for c in cols),
+            "first_conv_wgrad_positions": wgrad,
+            "deep_before_first_conv_wgrad": bool(deep and wgrad and max(deep) < min(wgrad)),
+            "deep_waits_for_first_conv_wgrad": comm.depends_on(text, deep, wgrad)
+            if deep and wgrad else None,
+            "bucket_elements_match_plan": sorted(c["elements"] for c in grads
+                                                 if len(c["operands"]) == 1) ==
+            sorted(plan.bucket_elements.values())}

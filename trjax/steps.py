@@ -174,9 +174,9 @@ def apply_gradients(state: TrainState, grads, sums, bn_sums, rules, plan: Memory
                          state.step, scale, layout.grad_axes)
     new_bs, finite = sync_batch_stats(layout.own_stats(state.batch_stats), bn_sums,
                                       layout.bn_reduce_axes, 0.9, up.last, up.finite, rules)
-    if layout.finite_axes is not None:  # FSDP: each device checked its own shards
+    if layout.split_axes:  # each device checked its own slices: all skip or apply together
         bad = collectives.after((~finite).astype(jnp.float32), up.last)
-        finite = lax.psum(bad, layout.finite_axes) == 0
+        finite = lax.psum(bad, layout.split_axes) == 0
     loss_scale, good_steps = state.loss_scale, state.good_steps
     if options.dynamic_loss_scale:
         loss_scale, good_steps = update_loss_scale(loss_scale, good_steps, finite,
@@ -207,7 +207,7 @@ def make_fold_bn(layout: Layout) -> Callable:
     net = layout.network
 
     def local_fold(state: TrainState):
-        params = state.params if layout.gather is None else layout.gather(state.params)
+        params = layout.gather(state.params)
         return layout.stats_rows(net.fold(params, layout.own_stats(state.batch_stats)))
 
     return jax.shard_map(local_fold, mesh=layout.world.mesh, in_specs=(state_specs(layout),),
@@ -237,8 +237,7 @@ def make_eval_step(layout: Layout, folded: bool = True) -> Callable:
 
     def local_eval(params, bn, batch, acc):
         x = models.normalize(batch["image"], net.mean, net.std, net.dtype)
-        if layout.gather is not None:  # FSDP: the whole parameters, per batch
-            params = layout.gather(params)
+        params = layout.gather(params)  # FSDP, pipeline: the whole parameters, per batch
         logits = net.apply_eval(params, layout.own_stats(bn), x, folded)
         return acc + batch_metrics(logits, batch["label"], batch["mask"])[None]
 

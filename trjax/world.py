@@ -23,16 +23,21 @@ DATA_AXIS = "data"
 """The default name of the mesh's data axis (:func:`make_world`); code inside
 trjax reads the name from ``World.axis_name``."""
 
-MESH_AXES = ("data", "fsdp", "stage", "model")
-"""The axis names a multi-axis mesh (:func:`parse_mesh`) may use, in the order
-they must appear: ``data`` (outermost: the batch split and the gradient
+FSDP_AXIS = "fsdp"
+STAGE_AXIS = "stage"
+MODEL_AXIS = "model"
+
+MESH_AXES = (DATA_AXIS, FSDP_AXIS, STAGE_AXIS, MODEL_AXIS)
+"""The table of mesh axis names, the one place they are spelled (every module
+imports them from here). A multi-axis mesh (:func:`parse_mesh`) uses them in
+the order they must appear: ``data`` (outermost: the batch split and the gradient
 all-reduce), ``fsdp`` (the batch split too, and the parameters, gradients and
 optimizer state sharded over it: :mod:`trjax.parallel.fsdp`), ``stage``
 (pipeline stages, :mod:`trjax.parallel.pipeline`), ``model`` (tensor
 parallelism, :mod:`trjax.parallel.tensor`). Devices are laid out row-major,
 so the last axis lands on adjacent devices (Megatron's order)."""
 
-BATCH_AXES = ("data", "fsdp")
+BATCH_AXES = (DATA_AXIS, FSDP_AXIS)
 """The axes the global batch splits over (every device along them is a data
 replica with rows of its own)."""
 

@@ -53,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.pipeline_remat = True        # gpipe: recompute each stage in the backward (1f1b always does)
     c.tensor_plan = ""             # a 'model' mesh: "" (a built-in ResNet's own split) or the
     #                                layers to split, "Conv_1=column,Conv_2=row,Dense_0=column"
-    #                                (module paths, '*' one component; trjax.tensor_plan)
+    #                                (module paths, '*' one component; trjax.parallel.tensor)
     c.global_batch_size = 128
     c.eval_batch_size = 128        # global; must divide by the world size too
     # model

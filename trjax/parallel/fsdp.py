@@ -34,6 +34,7 @@ device, as data parallelism's all-reduce; ZeRO-3's re-gather in the backward
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -42,78 +43,13 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from trjax import collectives, models, tensor
+from trjax import collectives
 from trjax.metrics import METRICS
-from trjax.parallel.layout import Layout, check_bn_mode, data_forward_backward
+from trjax.parallel.layout import Layout
+from trjax.parallel.shards import (bucket_groups, combined_specs, gather, local_shapes,
+                                   shard_dims, to_rows)
 from trjax.plan import build_plan
-
-FSDP_AXIS = "fsdp"
-
-
-def shard_dims(params, size: int):
-    """The dimension each leaf is split along over ``fsdp``: the last one whose
-    length divides by ``size`` (a conv kernel's output channels, a dense
-    kernel's inputs when its classes do not divide), or ``None``: the leaf stays
-    whole on every device (a bias of 10 classes on 4 devices). A tree of
-    ``int | None`` like ``params`` (arrays or ``ShapeDtypeStruct``)."""
-    def dim(x):
-        fits = [d for d, n in enumerate(x.shape) if n % size == 0 and n >= size]
-        return fits[-1] if fits else None
-    return jax.tree_util.tree_map(dim, params)
-
-
-def param_specs(dims, axis: str = FSDP_AXIS):
-    """``PartitionSpec`` per leaf of ``dims`` (:func:`shard_dims`): ``axis`` on its
-    dimension, ``P()`` for a whole leaf."""
-    return jax.tree_util.tree_map(lambda d: P() if d is None else P(*([None] * d + [axis])),
-                                  dims, is_leaf=lambda x: x is None)
-
-
-def bucket_groups(plan) -> list[tuple[str, list[int]]]:
-    """``[(bucket, [leaf index, ...]), ...]`` in the plan's bucket order (the
-    order of its collectives), each bucket's leaves in their order in it; the
-    index is a leaf's position in the flattened parameter tree."""
-    members: dict = {b: [] for b in plan.bucket_elements}
-    for i, slot in sorted(enumerate(plan.slots), key=lambda s: s[1].offset):
-        members[slot.bucket].append(i)
-    return [(b, m) for b, m in members.items() if m]
-
-
-def to_rows(g, d, size):
-    """``[size, n/size]``: row k is device k's slice of ``g`` along ``d`` (flat)."""
-    shape = g.shape[:d] + (size, g.shape[d] // size) + g.shape[d + 1:]
-    return jnp.moveaxis(g.reshape(shape), d, 0).reshape(size, -1)
-
-
-def from_rows(rows, d, local_shape):
-    """Inverse of :func:`to_rows`: ``[size, n/size]`` -> the whole leaf."""
-    size = rows.shape[0]
-    x = jnp.moveaxis(rows.reshape((size,) + tuple(local_shape)), 0, d)
-    shape = tuple(local_shape[:d]) + (size * local_shape[d],) + tuple(local_shape[d + 1:])
-    return x.reshape(shape)
-
-
-def gather(params, dims, groups, size: int, axis_name: str = FSDP_AXIS):
-    """The whole parameters from this device's shards, inside ``shard_map``:
-    one ``all_gather`` over ``axis_name`` (``fsdp``) per bucket (the last bucket of ``groups``,
-    which holds the first conv the forward needs first, first); a leaf that
-    stays whole is used as it is. ``params``: this device's tree; returns the
-    tree of whole leaves (the same dtypes)."""
-    leaves, treedef = jax.tree_util.tree_flatten(params)
-    flat_dims = treedef.flatten_up_to(dims)
-    out = list(leaves)
-    for _, idx in reversed(groups):
-        split = [i for i in idx if flat_dims[i] is not None]
-        if not split:
-            continue
-        rows = lax.all_gather(jnp.concatenate([leaves[i].reshape(-1) for i in split]),
-                              axis_name, axis=0, tiled=False)  # [size, sum of local sizes]
-        off = 0
-        for i in split:
-            n = leaves[i].size
-            out[i] = from_rows(rows[:, off:off + n], flat_dims[i], leaves[i].shape)
-            off += n
-    return jax.tree_util.tree_unflatten(treedef, out)
+from trjax.world import FSDP_AXIS
 
 
 def reduce_scatter(grads, sums, dims, groups, metrics_bucket: str, size: int):
@@ -158,19 +94,10 @@ def fsdp_forward_backward(inner, dims, groups, metrics_bucket, size,
     (``inner``: data parallelism's, :func:`trjax.parallel.layout.data_forward_backward`
     over the batch axes, or a tensor-parallel or pipeline layout's), then
     :func:`reduce_scatter`. The layout binds all but the last six arguments."""
-    full = gather(params, dims, groups, size)
+    full = gather(params, dims, groups, size, FSDP_AXIS)
     grads, sums, bn_sums, rules = inner(full, batch_stats, batch, options, loss_scale, rng)
     grads, sums = reduce_scatter(grads, sums, dims, groups, metrics_bucket, size)
     return grads, sums, bn_sums, rules
-
-
-def _axes(*names) -> tuple:
-    """The flat tuple of axis names in ``names`` (names, tuples of names, ``None``)."""
-    out = []
-    for n in names:
-        if n is not None:
-            out.extend(n if isinstance(n, tuple) else (n,))
-    return tuple(dict.fromkeys(out))
 
 
 def traffic(dims, params, size: int, itemsize: int = 4) -> dict:
@@ -190,72 +117,43 @@ def traffic(dims, params, size: int, itemsize: int = 4) -> dict:
             "params_bytes": (split + whole) * itemsize, "whole_leaves": whole}
 
 
-def combined_specs(dims, inner, axis: str):
-    """``PartitionSpec`` per leaf: ``inner``'s (e.g. the tensor plan's over ``model``)
-    with ``axis`` added on the leaf's dimension ``dims`` picks (:func:`shard_dims` of
-    the ``inner``-local shapes). On a dimension ``inner`` splits already the entry
-    becomes ``(inner's axis, axis)``: each ``inner`` slice is split again over
-    ``axis``, so an all-gather over ``axis`` gives back the ``inner`` slice."""
-    def one(d, spec):
-        if d is None:
-            return spec
-        entries = list(spec) + [None] * (d + 1 - len(spec))
-        e = entries[d]
-        entries[d] = axis if e is None else (tuple(e) if isinstance(e, tuple) else (e,)) + (axis,)
-        return P(*entries)
-    return jax.tree_util.tree_map(one, dims, inner, is_leaf=lambda x: x is None or isinstance(x, P))
-
-
-def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two",
-           base: Layout | None = None) -> Layout:
-    """The FSDP :class:`Layout` on a world with an ``fsdp`` axis (its batch axes
-    ``world.axis_name == ("data", "fsdp")``), alone or over a tensor-parallel one.
+def layout(base: Layout, buckets: str = "two") -> Layout:
+    """``base`` with what each of its devices holds sharded over ``fsdp`` (FSDP /
+    ZeRO-3): the batch splits over ``data x fsdp`` (the world's ``axis_name``),
+    each leaf of ``base``'s slice splits along one more dimension
+    (:func:`trjax.parallel.shards.combined_specs`), the all-gather over ``fsdp``
+    gives it back, ``base``'s step runs on it, and the reduce-scatter hands back
+    each shard's gradient.
 
     Args:
-      model: a :class:`trjax.models.Network` or flax module (any model).
-      world: a world whose mesh has an ``fsdp`` axis.
-      image_shape: ``(H, W, C)``.
-      bn_mode: ``running``, ``sync`` or ``local`` (as data parallelism over
-        ``data x fsdp``).
+      base: the layout FSDP is laid over on the same world: data parallelism
+        over ``data x fsdp`` (any ``bn_mode``), or a tensor-parallel
+        (``data:D,fsdp:F,model:T``) or pipeline (``data:D,fsdp:F,stage:S[,model:T]``)
+        one built on it.
       buckets: the MemoryPlan's bucket policy (``config.buckets``): one
         all-gather and one reduce-scatter per bucket.
-      base: the layout FSDP is laid over on the same world, or ``None`` (data
-        parallelism): a tensor-parallel one (:func:`trjax.parallel.tensor.layout`;
-        ``data:D,fsdp:F,model:T``) or a pipeline (:func:`trjax.parallel.pipeline.layout`;
-        ``data:D,fsdp:F,stage:S[,model:T]``). FSDP then shards what each device of
-        ``base`` holds (its specs combined with ``fsdp``, :func:`combined_specs`): the
-        all-gather over ``fsdp`` gives it back, ``base``'s step runs on it, and the
-        reduce-scatter hands back each shard's gradient.
 
     Raises:
-      ValueError: an unknown ``bn_mode``; a model none of whose parameters
-        divide by the axis size (nothing would be sharded).
+      ValueError: a model none of whose parameters divide by the axis size
+        (nothing would be sharded).
     """
-    check_bn_mode(bn_mode, what="an 'fsdp' axis")
-    net, axes = models.as_network(model), world.axis_name
-    sizes = dict(world.axes)
+    net, sizes = base.model, dict(base.world.axes)
     size = sizes[FSDP_AXIS]
-    params = net.abstract_variables(image_shape)["params"]
-    inner = jax.tree_util.tree_map(lambda _: P(), params) if base is None else base.params
-    own = tensor.local_shapes(params, inner, sizes)  # a model slice (the whole leaf alone)
+    params = net.abstract_variables(base.image_shape)["params"]
+    own = local_shapes(params, base.params, sizes)  # what a device of base holds
     dims = shard_dims(own, size)
     flat_dims = jax.tree_util.tree_structure(params).flatten_up_to(dims)
     if size > 1 and all(d is None for d in flat_dims):
         raise ValueError(f"fsdp:{size}: no parameter of {type(net.module).__name__} has a "
                          f"dimension divisible by {size}, so nothing would be sharded; use a "
                          "smaller fsdp size or the data axis only")
-    specs = combined_specs(dims, inner, FSDP_AXIS)
-    stats = (P(axes) if bn_mode == "local" else P()) if base is None else base.batch_stats
-    local = lambda p, s: (tensor.local_shapes(p, specs, sizes),  # noqa: E731
-                          s if isinstance(stats, P) else tensor.local_shapes(s, stats, sizes))
-    network = net if base is None else base.network
-    inner_step = functools.partial(data_forward_backward, net, bn_mode, axes) if base is None \
-        else base.forward_backward
-    plan = build_plan(net, image_shape, buckets, local=local)
+    specs, stats = combined_specs(dims, base.params, FSDP_AXIS), base.batch_stats
+    local = lambda p, s: (local_shapes(p, specs, sizes),  # noqa: E731
+                          s if isinstance(stats, P) else local_shapes(s, stats, sizes))
+    plan = build_plan(net, base.image_shape, buckets, local=local)
     groups, metrics_bucket = bucket_groups(plan), plan.metrics_slot[0]
-    own_gather = functools.partial(gather, dims=dims, groups=groups, size=size)
-    per_replica = bn_mode == "local"
-    t = traffic(dims, own, size)
+    own_gather = functools.partial(gather, dims=dims, groups=groups, size=size,
+                                   axis_name=FSDP_AXIS)
     whole = [jax.tree_util.keystr(p) for (p, _), d in
              zip(jax.tree_util.tree_flatten_with_path(params)[0], flat_dims) if d is None]
     labels = {FSDP_AXIS: {"all-gather": "fsdp:parameters (all-gather per bucket)",
@@ -264,24 +162,14 @@ def layout(model, world, image_shape, bn_mode: str = "sync", buckets: str = "two
     line = (f"fsdp: parameters, gradients and optimizer state split {size}-way over "
             f"'{FSDP_AXIS}' ({len(flat_dims) - len(whole)} of {len(flat_dims)} leaves; "
             f"{len(whole)} small leaves whole); batch over data x fsdp")
-    return Layout(
-        world=world, model=net, network=network, image_shape=tuple(image_shape), bn_mode=bn_mode,
-        forward_backward=functools.partial(fsdp_forward_backward, inner_step, dims, groups,
-                                           metrics_bucket, size),
-        grad_axes="data" if sizes["data"] > 1 else (),
-        bn_reduce_axes=(axes if bn_mode == "running" else None) if base is None else
-        base.bn_reduce_axes,
-        per_replica_stats=per_replica, params=specs, batch_stats=stats,
-        folded=(P(axes) if per_replica else P()) if base is None else base.folded,
-        check_vma=False, local_shapes=local,
-        kind="fsdp" if base is None else f"fsdp+{base.kind}",
-        gather=own_gather if base is None or base.gather is None else
-        (lambda p: base.gather(own_gather(p))),
-        # a model rank holds its own slices too: every device skips or applies together
-        finite_axes=_axes(FSDP_AXIS, None if base is None else base.finite_axes,
-                          tensor.TENSOR_AXIS if tensor.TENSOR_AXIS in sizes else None),
-        point_to_point=None if base is None else base.point_to_point,
-        details={**({} if base is None else base.details), "fsdp_size": size,
-                 "fsdp_whole_leaves": whole, "fsdp_traffic_bytes": t},
-        collective_labels=labels if base is None else {**base.collective_labels, **labels},
-        line=line if base is None else f"{line}; {base.line}")
+    return dataclasses.replace(
+        base, forward_backward=functools.partial(fsdp_forward_backward, base.forward_backward,
+                                                 dims, groups, metrics_bucket, size),
+        grad_axes="data" if sizes["data"] > 1 else (), params=specs, check_vma=False,
+        local_shapes=local, strategies=("fsdp",) + base.strategies,
+        gather=lambda p: base.gather(own_gather(p)),
+        split_axes=(FSDP_AXIS,) + base.split_axes,
+        details={**base.details, "fsdp_size": size, "fsdp_whole_leaves": whole,
+                 "fsdp_traffic_bytes": traffic(dims, own, size)},
+        collective_labels={**base.collective_labels, **labels},
+        line="; ".join(x for x in (line, base.line) if x))

@@ -59,7 +59,8 @@ class Layout:
         step mixes split and replicated leaves in its buckets: ``False``).
       local_shapes: ``(params, batch_stats) -> (params, batch_stats)`` of one
         device's shapes for the bucket plan, or ``None`` (the full shapes).
-      kind: ``"data"``, ``"tensor"``, ``"pipeline"`` or ``"fsdp"``.
+      strategies: the strategies laid over data parallelism, outermost first
+        (``("fsdp", "pipeline", "tensor")``); ``()``: data parallelism alone.
       details: what ``summary.json`` records about the layout (the pipeline's
         micro-batches and stage shares).
       line: the start-up line that describes it (``""``: none).
@@ -68,13 +69,14 @@ class Layout:
       collective_labels: ``{axis: {collective kind: label}}``: what a collective
         over a model-parallel axis carries (the report's labels of collectives
         the plan's sizes do not name).
-      gather: ``(params) -> params`` inside ``shard_map``: the whole parameters
-        from this device's shards, for the evaluation and the BN folding (FSDP's
-        all-gather), or ``None``: the parameters are used as they are held.
-      finite_axes: axes whose devices hold different parts of the reduced
-        gradient (FSDP's shards): the non-finite flag is summed over them so that
-        every device applies or skips the same update; ``None``: every device
-        sees the same reduced values.
+      gather: ``(params) -> params`` inside ``shard_map``: the parameters the
+        network applies to, from what this device holds (FSDP's and the
+        pipeline's all-gathers), for the evaluation and the BN folding; the
+        identity where the network runs on what is held.
+      split_axes: the axes over which devices hold different slices of the
+        parameters and their reduced gradient (``fsdp``, ``stage``, ``model``;
+        ``()`` for data parallelism): the non-finite flag is summed over them so
+        that every device applies or skips the same update.
     """
     world: Any
     model: Any
@@ -91,13 +93,18 @@ class Layout:
     opt_state: Any = None
     check_vma: bool = True
     local_shapes: Callable | None = None
-    kind: str = "data"
+    strategies: tuple = ()
     details: dict = dataclasses.field(default_factory=dict)
     line: str = ""
     point_to_point: Callable | None = None
     collective_labels: dict = dataclasses.field(default_factory=dict)
-    gather: Callable | None = None
-    finite_axes: Any = None
+    gather: Callable = lambda params: params
+    split_axes: tuple = ()
+
+    @property
+    def kind(self) -> str:
+        """``"data"``, or the strategies joined outermost first (``"fsdp+tensor"``)."""
+        return "+".join(self.strategies) or "data"
 
     @property
     def data_axis(self) -> str:

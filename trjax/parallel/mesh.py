@@ -10,9 +10,9 @@ The one place that reads a mesh's axis names: ``data`` only is
 
 from __future__ import annotations
 
-from trjax import tensor_plan
 from trjax.parallel import fsdp, pipeline, tensor
 from trjax.parallel.layout import Layout, data_parallel
+from trjax.world import FSDP_AXIS, MODEL_AXIS, STAGE_AXIS
 
 
 def mesh_sizes(config) -> dict:
@@ -26,7 +26,7 @@ def pipeline_microbatches(config, world) -> int:
     :func:`trjax.parallel.pipeline.default_microbatches` (the most micro-batches up
     to 4 x stages whose BatchNorm groups keep 16 rows)."""
     return config.pipeline_microbatches or pipeline.default_microbatches(
-        dict(world.axes).get("stage", 1), world.local_batch_size, world.data_size,
+        dict(world.axes).get(STAGE_AXIS, 1), world.local_batch_size, world.data_size,
         config.bn_mode)
 
 
@@ -41,34 +41,28 @@ def from_config(config, world, model, image_shape, tx=None) -> Layout:
         stage starts), before anything is traced.
     """
     sizes = dict(world.axes)
-    split = [a for a in (fsdp.FSDP_AXIS, "stage", "model") if a in sizes]
+    split = [a for a in (FSDP_AXIS, STAGE_AXIS, MODEL_AXIS) if a in sizes]
     if split and tx is not None:
         raise ValueError(f"tx= (your own optimizer) on config.mesh={config.mesh!r}: with a "
                          f"'{split[0]}' axis it would see each device's slice of a split leaf, "
                          "so a norm over a layer or all leaves (clipping, LARS) would be per "
                          "slice; use config.optimizer='sgd' or 'adamw', or a mesh without "
                          f"'{split[0]}'")
-    split_model = None  # the layout the next axis composes over: tensor, then pipeline
-    if "model" in sizes:
-        split_model = tensor.layout(model, world, image_shape, config.bn_mode,
-                                    config.tensor_plan)
-    if "stage" in sizes:
-        split_model = pipeline.layout(model, world, image_shape, config.bn_mode,
-                                      pipeline_microbatches(config, world),
-                                      _stage_plan(config, world, model, image_shape),
-                                      remat=config.pipeline_remat,
-                                      schedule=config.pipeline_schedule, base=split_model)
-    if fsdp.FSDP_AXIS in sizes:  # over the tensor-parallel or pipeline layout, if any
-        return fsdp.layout(model, world, image_shape, config.bn_mode, config.buckets,
-                           base=split_model)
-    if split_model is not None:
-        return split_model
-    return data_parallel(model, world, image_shape, config.bn_mode)
+    out = data_parallel(model, world, image_shape, config.bn_mode)  # each axis adds itself
+    if MODEL_AXIS in sizes:
+        out = tensor.layout(out, config.tensor_plan)
+    if STAGE_AXIS in sizes:
+        out = pipeline.layout(out, pipeline_microbatches(config, world),
+                              _stage_plan(config, world, model, image_shape),
+                              remat=config.pipeline_remat, schedule=config.pipeline_schedule)
+    if FSDP_AXIS in sizes:
+        out = fsdp.layout(out, config.buckets)
+    return out
 
 
 def _stage_plan(config, world, model, image_shape) -> pipeline.StagePlan:
     """The pipeline's stage plan, checked with the config's names in every message."""
-    S, M = dict(world.axes)["stage"], pipeline_microbatches(config, world)
+    S, M = dict(world.axes)[STAGE_AXIS], pipeline_microbatches(config, world)
     starts = [b.strip() for b in config.pipeline_stage_starts.split(",") if b.strip()]
     what = (f"config.pipeline_microbatches={M}" if config.pipeline_microbatches else
             f"config.pipeline_microbatches=0 (the default for {S} stages: {M})")
@@ -99,8 +93,8 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
       ValueError: naming the key, its value and the fix.
     """
     c, sizes = config, mesh_sizes(config)
-    stage, model = "stage" in sizes, "model" in sizes  # size 1 too: a GPU's 1 x 1 check
-    sharded = fsdp.FSDP_AXIS in sizes
+    stage, model = STAGE_AXIS in sizes, MODEL_AXIS in sizes  # size 1 too: a GPU's 1 x 1 check
+    sharded = FSDP_AXIS in sizes
     _check_pipeline_keys(c, stage, model)
     if not (stage or model or sharded):
         return
@@ -114,7 +108,7 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
         raise ValueError(f"config.mesh={c.mesh!r}: {kind} splits your own model "
                          f"(config.model={c.model!r}) by a tensor plan: set "
                          "config.tensor_plan='<conv>=column,<next conv>=row,<head>=column' "
-                         "(module paths; trjax.tensor_plan), use a built-in model "
+                         "(module paths; trjax.parallel.tensor), use a built-in model "
                          f"({sorted(builtin_models)}) or a mesh with the data axis only")
     # every axis past data splits leaves over its devices (fsdp and stage: every leaf; model:
     # layers), so the exchange is XLA's psum and a norm over a layer or all leaves (LARS,
@@ -152,7 +146,7 @@ def _check_pipeline_keys(c, stage: bool, model: bool) -> None:
         raise ValueError(f"config.pipeline_stage_starts={starts!r} has an empty item: give "
                          "block names separated by commas, e.g. 'stage2_block1,stage3_block1'")
     if str(c.tensor_plan).strip():
-        tensor_plan.parse(c.tensor_plan)
+        tensor.parse(c.tensor_plan)
         if not model:
             raise ValueError(f"config.tensor_plan={c.tensor_plan!r} applies to a mesh with a "
                              f"'model' axis (config.mesh={c.mesh!r}); set it to '' or use e.g. "

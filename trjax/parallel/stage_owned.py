@@ -2,7 +2,7 @@
 each stage's leaves gathered whole onto its own devices by one all-to-all.
 
 Between steps every parameter leaf (and its optimizer state and EMA) is split over the
-``stage`` axis along one dimension (:func:`trjax.parallel.fsdp.shard_dims`), so a
+``stage`` axis along one dimension (:func:`trjax.parallel.shards.shard_dims`), so a
 device holds 1/S of the model, as a checkpoint's whole arrays sharded (they restore
 onto any mesh). Per step and device:
 
@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from trjax.parallel.fsdp import from_rows
-
-STAGE_AXIS = "stage"
+from trjax.parallel.shards import from_rows
+from trjax.world import STAGE_AXIS
 
 
 def unit_path(name: str) -> tuple:

@@ -105,9 +105,9 @@ def forward_backward(p, forward_branches, run_stage, lp, loss_sum):
     Args:
       p: the stage's parameters (varying over the loop's axes).
       forward_branches: per stage, the pipeline's F slot
-        (:func:`trjax.parallel.pipeline._forward_branch`).
+        (:func:`trjax.parallel.schedules.forward_branch`).
       run_stage: ``(k, p, x, mask, j) -> (y, bn_sums)``.
-      lp: the pipeline's ``_Loop`` (micro-batches, boundary shapes, zeros).
+      lp: the schedules' :class:`trjax.parallel.schedules.Loop` (micro-batches, boundary shapes, zeros).
       loss_sum: ``(y, label, mask) -> (metric sums, scaled loss)`` of the last stage.
     """
     S, M, axes, stage, K = lp.S, lp.M, lp.axes, lp.stage, slots(lp.S)

@@ -90,7 +90,7 @@ KEYS = {
     "pipeline_stage_starts": Key("str"),  # checked by trjax.parallel.pipeline.plan_stages
     "pipeline_schedule": Key("choice", ("gpipe", "1f1b", "zb-h1")),  # pipeline.SCHEDULES
     "pipeline_remat": Key("bool"),
-    "tensor_plan": Key("str", **_WHERE),  # checked by trjax.tensor_plan.parse / resolve
+    "tensor_plan": Key("str", **_WHERE),  # checked by trjax.parallel.tensor.parse / resolve
     "global_batch_size": Key("int", 1, **_MATCH),
     "eval_batch_size": Key("int", 1),
     # model
@@ -284,11 +284,9 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
                          f"the world size {world_size} (devices per node; 0: per process)")
 
 
-MODEL_ARGS = ("num_classes", "bn_mode", "axis_name", "bn_momentum", "dtype", "conv_lowering",
-              "tensor_axis", "tensor_size")
+MODEL_ARGS = ("num_classes", "bn_mode", "axis_name", "bn_momentum", "dtype", "conv_lowering")
 """The keyword arguments the trainer gives a model from the config, the world
-and the data (:func:`resolve_model`; the tensor-parallel split from
-``config.mesh``); ``config.model_kwargs`` may not name them."""
+and the data (:func:`resolve_model`); ``config.model_kwargs`` may not name them."""
 IMPORT_PATH_FORM = ("an import path 'package.module:Name' of a flax Module class (linen or "
                     "nnx) or a factory, importable from sys.path or the current directory")
 
