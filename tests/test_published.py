@@ -224,6 +224,19 @@ def test_bn_momentum_sets_every_layer_and_the_running_statistics_follow(kind):
     np.testing.assert_allclose(np.asarray(stats["var"]), 0.5 * 1 + 0.5 * h.var(0), rtol=1e-5)
 
 
+def test_a_resnets_momenta_name_every_batchnorm_by_its_module_path():
+    """The slow-statistics warning names a layer by its module path, a ResNet's too
+    (it printed '*' before)."""
+    net = models.as_network(models.create_model("resnet8", num_classes=10, bn_momentum=0.99))
+    momenta = models.bn_momenta(net, (8, 8, 1))
+    assert momenta == {p: 0.99 for p in (
+        "stem_bn", "stage1_block1/BatchNorm_0", "stage1_block1/BatchNorm_1",
+        "stage2_block1/BatchNorm_0", "stage2_block1/BatchNorm_1", "stage2_block1/proj_bn",
+        "stage3_block1/BatchNorm_0", "stage3_block1/BatchNorm_1", "stage3_block1/proj_bn")}
+    with pytest.warns(UserWarning, match=r"e\.g\. 'stage1_block1/BatchNorm_0', momentum 0\.99\)"):
+        models.warn_slow_statistics(momenta, 10)
+
+
 def test_a_momentum_near_one_warns_before_compiling_naming_the_fix(monkeypatch):
     monkeypatch.setattr(steps, "make_train_step", lambda *a, **k: pytest.fail("compiled"))
     cfg = small_config(devices="2", global_batch_size=32, num_epochs=1)  # 45 steps

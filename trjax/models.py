@@ -850,9 +850,14 @@ def check_output(net: Network, image_shape: tuple, num_classes: int, dtype=jnp.f
 def bn_momenta(net: Network, image_shape: tuple) -> dict[str, float]:
     """``{layer path: momentum}`` of every BatchNorm ``net`` calls in training
     (the momentum its running statistics follow, after :attr:`Network.bn_momentum`),
-    from an abstract trace (nothing is computed); trjax's ResNets: ``{"*": momentum}``."""
+    from an abstract trace (nothing is computed); a trjax ResNet's layers, read from its
+    statistics' paths, all at the ResNet's momentum."""
     if isinstance(net.module, ResNet):  # its layers reduce over the mesh: not traced here
-        return {"*": net.module.bn_momentum if net.bn_momentum is None else net.bn_momentum}
+        m = net.module.bn_momentum if net.bn_momentum is None else net.bn_momentum
+        stats = jax.tree_util.tree_flatten_with_path(
+            net.abstract_variables(image_shape)["batch_stats"])[0]
+        return {"/".join(str(k.key) for k in path[:-1]): m for path, _ in stats
+                if path[-1].key == "mean"}
     x = jax.ShapeDtypeStruct((2,) + tuple(image_shape), net.dtype)
     ctx = BatchNormContext("local")
     jax.eval_shape(lambda v, x, k: net.apply_train(v["params"], v["batch_stats"], x, ctx, k)[0],

@@ -35,6 +35,7 @@ def comm_report(tr) -> dict:
         labels.setdefault(-(-size // n), names.get(b, f"bucket:{b}") + " [1/N chunk]")
         if config.compression != "none" and b == plan.metrics_slot[0]:
             labels.setdefault(size - len(METRICS), names.get(b, f"bucket:{b}") + " [compressed, metrics apart]")
+    labels.setdefault(1, "non-finite flag (summed over the axes of split slices)")
     for _, size, shape in plan.stats_slots.values():
         labels.setdefault(2 * shape[0] + 1, "bn:sync batch statistics")
     out = {"world_size": tr.world.world_size, "bn_mode": config.bn_mode, "model": config.model,

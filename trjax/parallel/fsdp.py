@@ -49,7 +49,7 @@ from trjax.parallel.layout import Layout
 from trjax.parallel.shards import (bucket_groups, combined_specs, gather, local_shapes,
                                    shard_dims, to_rows)
 from trjax.plan import build_plan
-from trjax.world import FSDP_AXIS
+from trjax.world import DATA_AXIS, FSDP_AXIS
 
 
 def reduce_scatter(grads, sums, dims, groups, metrics_bucket: str, size: int):
@@ -165,7 +165,7 @@ def layout(base: Layout, buckets: str = "two") -> Layout:
     return dataclasses.replace(
         base, forward_backward=functools.partial(fsdp_forward_backward, base.forward_backward,
                                                  dims, groups, metrics_bucket, size),
-        grad_axes="data" if sizes["data"] > 1 else (), params=specs, check_vma=False,
+        grad_axes=DATA_AXIS if sizes[DATA_AXIS] > 1 else (), params=specs, check_vma=False,
         local_shapes=local, strategies=("fsdp",) + base.strategies,
         gather=lambda p: base.gather(own_gather(p)),
         split_axes=(FSDP_AXIS,) + base.split_axes,

@@ -3,10 +3,12 @@
 Every field is something a step, the state's creation, the plan, the
 checkpoint or the report reads; only :mod:`trjax.parallel` decides them from
 the mesh's axis names (after torchtitan's ``ParallelDims`` and big_vision's one
-sharding tree for init, step and restore). :func:`data_parallel` is the 1-D
-constructor; :func:`trjax.parallel.tensor.layout` and
-:func:`trjax.parallel.pipeline.layout` the model-parallel ones;
-:func:`trjax.parallel.from_config` chooses by ``config.mesh``.
+sharding tree for init, step and restore). :func:`data_parallel` is the bottom
+of every composition; each strategy's ``layout(base, ...)``
+(:func:`trjax.parallel.tensor.layout`, :func:`trjax.parallel.pipeline.layout`,
+:func:`trjax.parallel.fsdp.layout`) returns ``base`` with its own axis added
+(``dataclasses.replace``: what it does not change, it keeps), and
+:func:`trjax.parallel.from_config` composes them by ``config.mesh``.
 """
 
 from __future__ import annotations

@@ -74,15 +74,13 @@ def _stage_plan(config, world, model, image_shape) -> pipeline.StagePlan:
 def check_config(config, own_model: bool, builtin_models=()) -> None:
     """The combinations a model-parallel mesh allows, before anything is traced.
 
-    A ``stage`` axis (pipeline, :mod:`trjax.parallel.pipeline`) or a ``model``
-    axis (tensor parallel, :mod:`trjax.parallel.tensor`) runs the built-in
-    ResNets with BN in ``running`` or ``sync`` mode, XLA's all-reduce
-    (``lax.psum`` over the axes), no compression and no ZeRO-1; a pipeline's
-    micro-batches replace ``grad_accumulation_steps``, and mixup/cutmix (which
-    mix rows across a micro-batch) are not supported on it; tensor parallelism
-    needs an elementwise optimizer (a split layer's norm would need a sum over
-    ``model``: no LARS, no ``grad_clip_norm``). The pipeline keys are an error
-    without a ``stage`` axis.
+    Every axis past ``data`` splits leaves, so it runs XLA's all-reduce, no
+    compression, no ZeRO-1 and an elementwise optimizer (a norm over a split
+    layer would be per slice: no LARS, no ``grad_clip_norm``); ``stage`` and
+    ``model`` keep BN in ``running`` or ``sync`` mode; a pipeline's micro-batches
+    replace ``grad_accumulation_steps`` and it takes no mixup/cutmix. The
+    pipeline keys are an error without a ``stage`` axis, the tensor plan without
+    a ``model`` one.
 
     Args:
       config: the run's config (its ``mesh`` already parsed once).

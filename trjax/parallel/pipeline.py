@@ -22,6 +22,20 @@ head with the last), balanced by multiply-accumulates. Stage ``s`` runs on the
 devices of mesh coordinate ``stage = s``; only one activation tensor crosses
 each stage boundary (the skips stay inside their block).
 
+Stage-owned parameters (design v2, :mod:`trjax.parallel.stage_owned`): every
+leaf of what a device of ``base`` holds, its optimizer state and EMA are split
+over ``stage`` (1/S per device); one all-to-all gathers each stage's leaves
+whole onto its devices, the backward accumulates those only, and one
+all-to-all hands each gradient slice back (the metric sums, made on the last
+stage, riding in it); the two-bucket exchange then runs over ``data`` only on
+each device's slices (deep bucket first, the metrics inside it), and
+``stage`` joins the axes whose devices hold different slices (the non-finite
+flag). The BN sums: ``running`` mode all-reduces them over ``("data",
+"stage")`` (the seed's one STATS_COMM); ``sync`` mode already summed each
+micro-batch's over ``data`` in the forward, and all-reduces them over
+``stage`` only. Each summed BN layer is owned by one stage, so every device
+commits the same running statistics.
+
 Schedule (:func:`pipeline_forward_backward`, called per device inside
 ``jax.shard_map`` over ``("data", "stage")``): a ``lax.scan`` over ``T = M + S
 - 1`` ticks; at tick ``t`` the device of stage ``s`` runs its stage
@@ -71,7 +85,7 @@ from trjax.parallel.stage_owned import StageRows, subtree
 from trjax.parallel.stages import (MIN_BN_ROWS, SEQUENCES, SPLITTABLE, StagePlan,  # noqa: F401 (re-exported)
                                    balanced_split, bn_rows, check_pipeline,
                                    default_microbatches, plan_stages, stage_modules)
-from trjax.world import STAGE_AXIS
+from trjax.world import DATA_AXIS, STAGE_AXIS
 
 
 """Pipeline schedules (``config.pipeline_schedule``): GPipe (Huang et al. 2019) and
@@ -84,21 +98,17 @@ ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024; :mod:`trjax.par
 
 def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatches: int,
                               plan: StagePlan | None = None, loss_scale=None,
-                              bn_mode: str = "running", data_axis: str = "data",
-                              stage_axis: str = "stage", num_stages: int | None = None,
+                              bn_mode: str = "running", data_axis: str = DATA_AXIS,
+                              stage_axis: str = STAGE_AXIS, num_stages: int | None = None,
                               loss_fn=None, label_smoothing: float = 0.0,
                               remat: bool = False, bubble_fill: float = 0.0,
                               schedule: str = "gpipe", select=None, rng=None):
-    """Per device, GPipe: gradients of the summed loss, metric sums, BN batch sums.
-
-    Call inside ``jax.shard_map`` over a mesh with axes ``(data_axis,
-    stage_axis)`` (:func:`trjax.world.make_world` with ``mesh="data:D,stage:S"``),
-    the batch split over ``data`` and replicated over ``stage``; ``params`` the
-    whole tree on every device, or (``select``) the stage's own leaves packed. The parameters are cast to varying over both axes here (if they are
-    not already), so every result is this device's own part; summing over
-    ``stage_axis`` (e.g. the gradient exchange run over ``(data, stage)``) gives
-    what :func:`trjax.objective.forward_backward` with ``grad_accumulation_steps =
-    num_microbatches`` returns on that data rank.
+    """Per device, a pipeline schedule: gradients of the summed loss, metric sums,
+    BN batch sums. Call inside ``jax.shard_map`` over ``(data_axis, stage_axis)``,
+    the batch split over ``data``; the parameters are cast to varying over both
+    axes, so every result is this device's own part; their sum over ``stage_axis``
+    is :func:`trjax.objective.forward_backward` with ``grad_accumulation_steps =
+    num_microbatches`` on that data rank.
 
     Args:
       model: a :class:`trjax.models.Network` wrapping, or a bare,
@@ -114,10 +124,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         over ``num_stages`` (default: the size of ``stage_axis``).
       loss_scale: multiplies the loss before backward (fp16), or ``None``.
       bn_mode: ``"running"`` (each micro-batch normalised with its own rows'
-        statistics), ``"sync"`` (each micro-batch's statistics psum'ed over
-        ``data_axis``, inside the stage's switch branch: every member of a data
-        group runs the same stage; checked on XLA:CPU only) or ``"local"``
-        (untested). The model's BatchNorm mode and axis name must match.
+        statistics) or ``"sync"`` (each micro-batch's statistics psum'ed over
+        ``data_axis`` inside the stage's switch branch); the model's must match.
       data_axis, stage_axis: the mesh axis names.
       loss_fn, label_smoothing: the per-example loss
         (:func:`trjax.objective.example_losses`); default softmax cross-entropy.
@@ -125,17 +133,12 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
         stage; stored per tick: its inputs only).
       bubble_fill: the value bubble slots' input buffers hold before masking
         (a test hook: NaN must give bitwise the same results as 0).
-      schedule: ``"gpipe"`` (all forwards, then autodiff's backward through
-        the tick loop) or ``"1f1b"`` (:func:`trjax.parallel.schedules.one_f_one_b`: an explicit backward
-        per micro-batch, at most 2S - 1 stage inputs stashed per device instead
-        of every tick's; ``remat`` does not apply, its backward always recomputes)
-        or ``"zb-h1"`` (:func:`trjax.parallel.zero_bubble.forward_backward`: a tick
-        table with the backward split into the input and the weight gradient).
-      select: ``(k, params) -> stage k's subtree {name: ...}``; ``None``: ``params``
-        is the whole tree (design v1) and stage k takes its names' subtrees. The
-        stage-owned layout passes its packed rows
-        (:meth:`trjax.parallel.stage_owned.StageRows.select`): the gradient is then
-        of the same packed structure, this stage's leaves only.
+      schedule: a name of :data:`trjax.parallel.schedules.SCHEDULES` (``gpipe``,
+        ``1f1b``, ``zb-h1``; ``remat`` applies to GPipe: the others recompute).
+      select: ``(k, params) -> stage k's subtree``; ``None``: ``params`` is the
+        whole tree. The stage-owned layout passes its packed rows
+        (:meth:`trjax.parallel.stage_owned.StageRows.select`): the gradient is
+        then packed the same way, this stage's leaves only.
       rng: this data rank's step key (:func:`trjax.objective.dropout_key`
         without ``micro``): micro-batch ``j`` draws from ``fold_in(rng, j)``, as
         under gradient accumulation; ``None``: no random streams.
@@ -150,9 +153,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
       other stages' layers; ``rules`` every BatchNorm's running rule.
 
     Raises:
-      ValueError (while tracing): the model is neither a ResNet nor a sequence
-        (:func:`plan_stages`); a ResNet's ``bn_mode``
-        differs from ``bn_mode``; M < 1, M < S, or L not divisible by M; a plan
+      ValueError (while tracing): the model is neither a ResNet nor a sequence; a
+        ResNet's ``bn_mode`` differs; M < 1, M < S, or L not divisible by M; a plan
         for another stage count than the mesh's; more stages than blocks.
     """
     net = models.as_network(model)
@@ -277,23 +279,18 @@ def boundary_traffic(module, image_shape, stages: StagePlan, num_microbatches: i
             "issued_bytes": useful * (m + stages.num_stages - 1) // m}
 
 
+_LABELS = {"collective-permute": "pipeline:boundary activation / cotangent",
+           "all-to-all": "pipeline:stage-owned parameters / gradients",
+           "all-gather": "pipeline:parameters for the evaluation",
+           "all-reduce": "pipeline:BN statistics or the non-finite flag"}
+"""What a collective over ``stage`` carries (the communication report's labels)."""
+
+
 def layout(base: Layout, num_microbatches: int = 0, stages: StagePlan | None = None,
            remat: bool = True, schedule: str = "gpipe") -> Layout:
     """``base`` with its network run as a pipeline over the ``stage`` axis.
 
-    Stage-owned parameters (design v2, :mod:`trjax.parallel.stage_owned`): every
-    leaf of what a device of ``base`` holds, its optimizer state and EMA are split
-    over ``stage`` (1/S per device); one all-to-all gathers each stage's leaves
-    whole onto its devices, the backward accumulates those only, and one
-    all-to-all hands each gradient slice back (the metric sums, made on the last
-    stage, riding in it); the two-bucket exchange then runs over ``data`` only on
-    each device's slices (deep bucket first, the metrics inside it), and
-    ``stage`` joins the axes whose devices hold different slices (the non-finite
-    flag). The BN sums: ``running`` mode all-reduces them over ``("data",
-    "stage")`` (the seed's one STATS_COMM); ``sync`` mode already summed each
-    micro-batch's over ``data`` in the forward, and all-reduces them over
-    ``stage`` only. Each summed BN layer is owned by one stage, so every device
-    commits the same running statistics.
+    Stage-owned parameters and the BN sums: the module docstring's "Layout".
 
     Args:
       base: the layout the pipeline runs on, of a world with a ``stage`` axis:
@@ -339,7 +336,7 @@ def layout(base: Layout, num_microbatches: int = 0, stages: StagePlan | None = N
             + f" (max/mean {stages.imbalance:.2f}), stages begin at "
             + ", ".join(stages.blocks[lo] for lo, _ in stages.bounds))
     return dataclasses.replace(
-        base, forward_backward=fb, grad_axes="data" if sizes["data"] > 1 else (),
+        base, forward_backward=fb, grad_axes=DATA_AXIS if sizes[DATA_AXIS] > 1 else (),
         bn_reduce_axes=flat_axes(data, STAGE_AXIS) if bn_mode == "running" else STAGE_AXIS,
         params=specs, check_vma=False, strategies=("pipeline",) + base.strategies,
         local_shapes=lambda p, s: (local_shapes(p, specs, sizes),
@@ -349,11 +346,7 @@ def layout(base: Layout, num_microbatches: int = 0, stages: StagePlan | None = N
         line="; ".join(x for x in (line, base.line) if x),
         point_to_point=functools.partial(boundary_traffic, net, tuple(image_shape), stages, M,
                                          world.local_batch_size),
-        collective_labels={**base.collective_labels, STAGE_AXIS: {
-            "collective-permute": "pipeline:boundary activation / cotangent",
-            "all-to-all": "pipeline:stage-owned parameters / gradients",
-            "all-gather": "pipeline:parameters for the evaluation",
-            "all-reduce": "pipeline:BN statistics or the non-finite flag"}},
+        collective_labels={**base.collective_labels, STAGE_AXIS: _LABELS},
         details={**base.details, "pipeline_microbatches": M,
                  "pipeline_stage_shares": list(stages.shares)})
 

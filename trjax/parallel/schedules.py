@@ -20,6 +20,7 @@ schedules share (micro-batches, boundary shapes, zero buffers, the loss scale);
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -180,71 +181,80 @@ def one_f_one_b(p, forward_branches, run_stage, lp: Loop, loss_sum):
 
     Returns ``(grads, sums, bn_sums)`` as :func:`pipeline_forward_backward`.
     """
-    S, M, axes, stage = lp.S, lp.M, lp.axes, lp.stage
+    S, M, axes = lp.S, lp.M, lp.axes
     in_shapes = [lp.images.shape[1:]] + [b.shape for b in lp.shapes]
     in_dtypes = [lp.images.dtype] + [b.dtype for b in lp.shapes]
-    width = max(math.prod(s) for s in in_shapes)
-    K = 2 * S - 1
-    dtype = jnp.result_type(*in_dtypes)
+    width, dtype = max(math.prod(s) for s in in_shapes), jnp.result_type(*in_dtypes)
     flat = lambda x: as_varying(jnp.pad(x.reshape(-1).astype(dtype), (0, width - x.size)), axes)
     zeros_grads = jax.tree_util.tree_map(lambda a: as_varying(jnp.zeros_like(a), axes), p)
-
-    def backward(k):
-        def fn(x_flat, cots, mask, label, valid, j):
-            x_in = x_flat[:math.prod(in_shapes[k])].reshape(in_shapes[k]).astype(in_dtypes[k])
-            x_in = jnp.where(valid, x_in, jnp.zeros_like(x_in))
-            if k < S - 1:
-                y, vjp = jax.vjp(lambda q, x: run_stage(k, q, x, mask, j)[0], p, x_in)
-                ct = jnp.where(valid, cots[k], jnp.zeros_like(cots[k])).astype(y.dtype)
-            else:
-                y, vjp = jax.vjp(lambda q, x: loss_sum(run_stage(k, q, x, mask, j)[0], label,
-                                                       mask)[1], p, x_in)
-                ct = jnp.where(valid, jnp.ones_like(y), jnp.zeros_like(y))
-            dp, dx = vjp(ct)
-            dp = jax.tree_util.tree_map(
-                lambda g: as_varying(jnp.where(valid, g, jnp.zeros_like(g)), axes), dp)
-            outs = [lp.zeros_buf(b) for b in range(S - 1)]
-            if k > 0:
-                outs[k - 1] = as_varying(jnp.where(valid, dx, jnp.zeros_like(dx)).astype(
-                    lp.shapes[k - 1].dtype), axes)
-            return dp, tuple(outs)
-        return fn
-
-    backward_branches = [backward(k) for k in range(S)]
-
-    def tick(carry, t):
-        fwd, bwd, stash, grads, sums_acc, bn_acc = carry
-        jf, jb = t - stage, t - 2 * (S - 1) + stage
-        vf, vb = (jf >= 0) & (jf < M), (jb >= 0) & (jb < M)
-        cf, cb = jnp.clip(jf, 0, M - 1), jnp.clip(jb, 0, M - 1)
-        mf = jnp.where(vf, lp.masks[cf], jnp.zeros_like(lp.masks[cf]))
-        mb = jnp.where(vb, lp.masks[cb], jnp.zeros_like(lp.masks[cb]))
-        inputs = (as_varying(lp.images[cf], axes),) + tuple(fwd)
-        # F: this device's stage on micro-batch jf; its input goes into the stash
-        outs, sums, bn = lax.switch(stage, forward_branches, p, inputs, as_varying(mf, axes),
-                                    as_varying(lp.labels[cf], axes), vf, cf)
-        x_in = lax.switch(stage, [lambda i, k=k: flat(i[k]) for k in range(S)], inputs)
-        slot = jf % K
-        stash = stash.at[slot].set(jnp.where(vf, x_in, stash[slot]))
-        sums_acc = sums_acc + jnp.where(vf, sums, jnp.zeros_like(sums))
-        bn_acc = jax.tree_util.tree_map(lambda acc, a: acc + jnp.where(vf, a, jnp.zeros_like(a)),
-                                        bn_acc, bn)
-        outs = [jnp.where(vf, o, jnp.zeros_like(o)) for o in outs]
-        # B: micro-batch jb from its stashed input and the cotangent received last tick
-        dp, douts = lax.switch(stage, backward_branches, stash[jb % K], tuple(bwd),
-                               as_varying(mb, axes), as_varying(lp.labels[cb], axes), vb, cb)
-        grads = jax.tree_util.tree_map(jnp.add, grads, dp)
-        fwd = tuple(lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)]) for b in range(S - 1))
-        bwd = tuple(lax.ppermute(douts[b], lp.stage_axis, [(b + 1, b)]) for b in range(S - 1))
-        return (fwd, bwd, stash, grads, sums_acc, bn_acc), None
-
+    backward_branches = [_backward_branch(k, p, run_stage, lp, loss_sum, in_shapes[k],
+                                          in_dtypes[k]) for k in range(S)]
+    tick = functools.partial(_one_f_one_b_tick, p, forward_branches, backward_branches, lp,
+                             flat)
     init = (tuple(lp.zeros_buf(b, lp.fill) for b in range(S - 1)),
             tuple(lp.zeros_buf(b, lp.fill) for b in range(S - 1)),
-            as_varying(jnp.full((K, width), lp.fill, dtype), axes), zeros_grads,
+            as_varying(jnp.full((2 * S - 1, width), lp.fill, dtype), axes), zeros_grads,
             as_varying(jnp.zeros((4,), jnp.float32), axes), lp.zeros_bn())
     (_, _, _, grads, sums, bn), _ = lax.scan(tick, init,
                                              jnp.arange(M + 2 * S - 2, dtype=jnp.int32))
     return grads, sums, bn
+
+
+def _backward_branch(k: int, p, run_stage, lp: Loop, loss_sum, in_shape, in_dtype):
+    """1F1B's B slot of stage ``k``: ``(x_flat, cots, mask, label, valid, j) -> (dp,
+    outs)``: the stage recomputed from its stashed input under ``jax.vjp``, the
+    parameters' cotangent and the input's (to stage ``k - 1``); zeros when not ``valid``."""
+    S, axes = lp.S, lp.axes
+
+    def fn(x_flat, cots, mask, label, valid, j):
+        x_in = x_flat[:math.prod(in_shape)].reshape(in_shape).astype(in_dtype)
+        x_in = jnp.where(valid, x_in, jnp.zeros_like(x_in))
+        if k < S - 1:
+            y, vjp = jax.vjp(lambda q, x: run_stage(k, q, x, mask, j)[0], p, x_in)
+            ct = jnp.where(valid, cots[k], jnp.zeros_like(cots[k])).astype(y.dtype)
+        else:
+            y, vjp = jax.vjp(lambda q, x: loss_sum(run_stage(k, q, x, mask, j)[0], label,
+                                                   mask)[1], p, x_in)
+            ct = jnp.where(valid, jnp.ones_like(y), jnp.zeros_like(y))
+        dp, dx = vjp(ct)
+        dp = jax.tree_util.tree_map(
+            lambda g: as_varying(jnp.where(valid, g, jnp.zeros_like(g)), axes), dp)
+        outs = [lp.zeros_buf(b) for b in range(S - 1)]
+        if k > 0:
+            outs[k - 1] = as_varying(jnp.where(valid, dx, jnp.zeros_like(dx)).astype(
+                lp.shapes[k - 1].dtype), axes)
+        return dp, tuple(outs)
+    return fn
+
+
+def _one_f_one_b_tick(p, forward_branches, backward_branches, lp: Loop, flat, carry, t):
+    """One 1F1B tick: F of micro-batch ``t - s`` (its input stashed), then B of
+    ``t - 2(S-1) + s``, then one ``ppermute`` per boundary and direction."""
+    S, M, axes, stage, K = lp.S, lp.M, lp.axes, lp.stage, 2 * lp.S - 1
+    fwd, bwd, stash, grads, sums_acc, bn_acc = carry
+    jf, jb = t - stage, t - 2 * (S - 1) + stage
+    vf, vb = (jf >= 0) & (jf < M), (jb >= 0) & (jb < M)
+    cf, cb = jnp.clip(jf, 0, M - 1), jnp.clip(jb, 0, M - 1)
+    mf = jnp.where(vf, lp.masks[cf], jnp.zeros_like(lp.masks[cf]))
+    mb = jnp.where(vb, lp.masks[cb], jnp.zeros_like(lp.masks[cb]))
+    inputs = (as_varying(lp.images[cf], axes),) + tuple(fwd)
+    # F: this device's stage on micro-batch jf; its input goes into the stash
+    outs, sums, bn = lax.switch(stage, forward_branches, p, inputs, as_varying(mf, axes),
+                                as_varying(lp.labels[cf], axes), vf, cf)
+    x_in = lax.switch(stage, [lambda i, k=k: flat(i[k]) for k in range(S)], inputs)
+    slot = jf % K
+    stash = stash.at[slot].set(jnp.where(vf, x_in, stash[slot]))
+    sums_acc = sums_acc + jnp.where(vf, sums, jnp.zeros_like(sums))
+    bn_acc = jax.tree_util.tree_map(lambda acc, a: acc + jnp.where(vf, a, jnp.zeros_like(a)),
+                                    bn_acc, bn)
+    outs = [jnp.where(vf, o, jnp.zeros_like(o)) for o in outs]
+    # B: micro-batch jb from its stashed input and the cotangent received last tick
+    dp, douts = lax.switch(stage, backward_branches, stash[jb % K], tuple(bwd),
+                           as_varying(mb, axes), as_varying(lp.labels[cb], axes), vb, cb)
+    grads = jax.tree_util.tree_map(jnp.add, grads, dp)
+    fwd = tuple(lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)]) for b in range(S - 1))
+    bwd = tuple(lax.ppermute(douts[b], lp.stage_axis, [(b + 1, b)]) for b in range(S - 1))
+    return (fwd, bwd, stash, grads, sums_acc, bn_acc), None
 
 
 # -- the pipelined train step ---------------------------------------------------------------

@@ -429,8 +429,7 @@ def layout(base: Layout, plan=None) -> Layout:
     count = len([r for r in roles.values() if r != "channel"])
     network = dataclasses.replace(base.network, layer_plan=Plan(roles, MODEL_AXIS, T))
     labels = {MODEL_AXIS: {
-        "all-reduce": "tensor:Megatron f/g (partial sums of a split pair or the head) "
-                      "or the non-finite flag",
+        "all-reduce": "tensor:Megatron f/g (partial sums of a split pair or the head)",
         "all-gather": "tensor:head logits"}}
     return dataclasses.replace(
         base, network=network,

@@ -29,8 +29,10 @@ is read only after it was written (NaN-filled buffers give bitwise the same resu
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -98,6 +100,119 @@ def ticks(num_stages: int, num_microbatches: int) -> dict:
             "bubble": float((tb[:, :, 0] == IDLE).mean())}
 
 
+@dataclasses.dataclass(frozen=True)
+class _Ring:
+    """What a device keeps between ticks: :func:`slots` flat slots of the widest
+    boundary activation (``width`` elements of ``dtype``), one ring for the stage
+    inputs received, one for the output cotangents."""
+    in_shapes: list   # stage k's input shape (k = 0: the micro-batch images)
+    width: int
+    dtype: object
+    axes: tuple
+
+    @classmethod
+    def of(cls, lp) -> "_Ring":
+        dtype = jnp.result_type(*[b.dtype for b in lp.shapes]) if lp.S > 1 else jnp.float32
+        return cls([lp.images.shape[1:]] + [b.shape for b in lp.shapes],
+                   max([1] + [math.prod(b.shape) for b in lp.shapes]), dtype, lp.axes)
+
+    def flat(self, x):
+        return as_varying(jnp.pad(x.reshape(-1).astype(self.dtype), (0, self.width - x.size)),
+                          self.axes)
+
+    def zeros(self):
+        return as_varying(jnp.zeros((self.width,), self.dtype), self.axes)
+
+    def stage_input(self, lp, k, xs, j):
+        """Stage ``k``'s input of micro-batch ``j``: the images, or ring slot ``j % K``."""
+        if k == 0:
+            return lp.images[j]
+        return xs[j % slots(lp.S)][:math.prod(self.in_shapes[k])].reshape(
+            self.in_shapes[k]).astype(lp.shapes[k - 1].dtype)
+
+
+class _Step(NamedTuple):
+    """One step's fixed parts, shared by every tick's branches."""
+    p: object
+    forward_branches: list
+    run_stage: object
+    lp: object
+    loss_sum: object
+    ring: _Ring
+    zeros_grads: object
+
+
+def _grad_of(c: _Step, k: int, xs, cs, j, wrt_params: bool):
+    """B (``wrt_params`` False: the stage input's cotangent) or W (the parameters')
+    of stage ``k`` on micro-batch ``j``, recomputing the stage from its stashed input."""
+    lp, S, K = c.lp, c.lp.S, slots(c.lp.S)
+    x, mask, label = c.ring.stage_input(lp, k, xs, j), lp.masks[j], lp.labels[j]
+    if k < S - 1:
+        f = lambda q, x: c.run_stage(k, q, x, mask, j)[0]  # noqa: E731
+        ct = cs[j % K][:math.prod(lp.shapes[k].shape)].reshape(lp.shapes[k].shape)
+    else:
+        f = lambda q, x: c.loss_sum(c.run_stage(k, q, x, mask, j)[0], label, mask)[1]  # noqa: E731
+        ct = None
+    if wrt_params:
+        y, vjp = jax.vjp(lambda q: f(q, x), c.p)
+    else:
+        y, vjp = jax.vjp(lambda x: f(c.p, x), x)
+    return vjp(jnp.ones_like(y) if ct is None else ct.astype(y.dtype))[0]
+
+
+def _branch(c: _Step, kind: int, k: int):
+    """The ``lax.switch`` branch of ``kind`` (F, B, W or idle) on stage ``k``:
+    ``(xs, cs, j) -> (outs, bouts, grads, sums, bn)``, zeros where it makes nothing."""
+    lp, S, axes = c.lp, c.lp.S, c.lp.axes
+
+    def fn(xs, cs, j):
+        outs = [lp.zeros_buf(b) for b in range(S - 1)]
+        bouts = [lp.zeros_buf(b) for b in range(S - 1)]
+        grads, sums, bn = c.zeros_grads, as_varying(jnp.zeros((4,), jnp.float32), axes), \
+            lp.zeros_bn()
+        if kind == F:
+            inputs = tuple(c.ring.stage_input(lp, k, xs, j) if i == k else
+                           as_varying(jnp.zeros(s, c.ring.dtype), axes)
+                           for i, s in enumerate(c.ring.in_shapes))
+            outs, sums, bn = c.forward_branches[k](c.p, inputs, as_varying(lp.masks[j], axes),
+                                                   as_varying(lp.labels[j], axes), True, j)
+            outs = list(outs)
+        elif kind == B and k > 0:
+            bouts[k - 1] = as_varying(_grad_of(c, k, xs, cs, j, False).astype(
+                lp.shapes[k - 1].dtype), axes)
+        elif kind == W:
+            grads = jax.tree_util.tree_map(lambda g: as_varying(g, axes),
+                                           _grad_of(c, k, xs, cs, j, True))
+        return tuple(outs), tuple(bouts), grads, sums, bn
+    return fn
+
+
+def _tick(c: _Step, branches, carry, row):
+    """One tick: this device's entry of ``row`` (its branch), one ``ppermute`` per
+    boundary and direction, and what arrives stored in the rings by micro-batch."""
+    lp, S, K, ring = c.lp, c.lp.S, slots(c.lp.S), c.ring
+    xs, cs, grads, sums_acc, bn_acc = carry
+    stage = lp.stage
+    mine = row[stage]
+    index = jnp.where(mine[0] == IDLE, 0, (mine[0] - 1) * S + stage + 1)
+    outs, bouts, dp, sums, bn = lax.switch(index, branches, xs, cs, mine[1])
+    fwd = [lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)]) for b in range(S - 1)]
+    bwd = [lax.ppermute(bouts[b], lp.stage_axis, [(b + 1, b)]) for b in range(S - 1)]
+    if S > 1:
+        prev, nxt = row[jnp.maximum(stage - 1, 0)], row[jnp.minimum(stage + 1, S - 1)]
+        got_x = lax.switch(stage, [ring.zeros] +
+                           [lambda b=b: ring.flat(fwd[b]) for b in range(S - 1)])
+        got_c = lax.switch(stage, [lambda b=b: ring.flat(bwd[b]) for b in range(S - 1)] +
+                           [ring.zeros])
+        store_x = (stage > 0) & (prev[0] == F)
+        store_c = (stage < S - 1) & (nxt[0] == B)
+        xs = xs.at[prev[1] % K].set(jnp.where(store_x, got_x, xs[prev[1] % K]))
+        cs = cs.at[nxt[1] % K].set(jnp.where(store_c, got_c, cs[nxt[1] % K]))
+    grads = jax.tree_util.tree_map(jnp.add, grads, dp)
+    bn_acc = jax.tree_util.tree_map(jnp.add, bn_acc, bn)
+    return (xs, cs, grads, sums_acc + sums, bn_acc), None
+
+
 def forward_backward(p, forward_branches, run_stage, lp, loss_sum):
     """Runs :func:`table` on this device: ``(grads, sums, bn_sums)`` as
     :func:`trjax.parallel.pipeline.pipeline_forward_backward` returns them.
@@ -107,85 +222,18 @@ def forward_backward(p, forward_branches, run_stage, lp, loss_sum):
       forward_branches: per stage, the pipeline's F slot
         (:func:`trjax.parallel.schedules.forward_branch`).
       run_stage: ``(k, p, x, mask, j) -> (y, bn_sums)``.
-      lp: the schedules' :class:`trjax.parallel.schedules.Loop` (micro-batches, boundary shapes, zeros).
+      lp: the schedules' :class:`trjax.parallel.schedules.Loop` (micro-batches,
+        boundary shapes, zeros).
       loss_sum: ``(y, label, mask) -> (metric sums, scaled loss)`` of the last stage.
     """
-    S, M, axes, stage, K = lp.S, lp.M, lp.axes, lp.stage, slots(lp.S)
-    in_shapes = [lp.images.shape[1:]] + [b.shape for b in lp.shapes]
-    x_width = max([1] + [math.prod(b.shape) for b in lp.shapes])
-    dtype = jnp.result_type(*[b.dtype for b in lp.shapes]) if S > 1 else jnp.float32
-    flat = lambda x: as_varying(jnp.pad(x.reshape(-1).astype(dtype),  # noqa: E731
-                                        (0, x_width - x.size)), axes)
-    zeros_x = lambda: as_varying(jnp.zeros((x_width,), dtype), axes)  # noqa: E731
+    S, axes, ring = lp.S, lp.axes, _Ring.of(lp)
     zeros_grads = jax.tree_util.tree_map(lambda a: as_varying(jnp.zeros_like(a), axes), p)
-    zero_sums = lambda: as_varying(jnp.zeros((4,), jnp.float32), axes)  # noqa: E731
-
-    def stage_input(k, xs, j):
-        if k == 0:
-            return lp.images[j]
-        return xs[j % K][:math.prod(in_shapes[k])].reshape(in_shapes[k]).astype(
-            lp.shapes[k - 1].dtype)
-
-    def grad_of(k, xs, cs, j, wrt_params):
-        """B (``wrt_params`` False: the input's cotangent) or W (the parameters')."""
-        x, mask, label = stage_input(k, xs, j), lp.masks[j], lp.labels[j]
-        if k < S - 1:
-            f = lambda q, x: run_stage(k, q, x, mask, j)[0]  # noqa: E731
-            ct = cs[j % K][:math.prod(lp.shapes[k].shape)].reshape(lp.shapes[k].shape)
-        else:
-            f = lambda q, x: loss_sum(run_stage(k, q, x, mask, j)[0], label, mask)[1]  # noqa: E731
-            ct = None
-        if wrt_params:
-            y, vjp = jax.vjp(lambda q: f(q, x), p)
-        else:
-            y, vjp = jax.vjp(lambda x: f(p, x), x)
-        return vjp(jnp.ones_like(y) if ct is None else ct.astype(y.dtype))[0]
-
-    def branch(kind, k):
-        def fn(xs, cs, j):
-            outs, bouts = [lp.zeros_buf(b) for b in range(S - 1)], [lp.zeros_buf(b)
-                                                                    for b in range(S - 1)]
-            grads, sums, bn = zeros_grads, zero_sums(), lp.zeros_bn()
-            if kind == F:
-                inputs = tuple(stage_input(k, xs, j) if i == k else
-                               as_varying(jnp.zeros(s, dtype), axes)
-                               for i, s in enumerate(in_shapes))
-                outs, sums, bn = forward_branches[k](p, inputs, as_varying(lp.masks[j], axes),
-                                                     as_varying(lp.labels[j], axes), True, j)
-                outs = list(outs)
-            elif kind == B and k > 0:
-                bouts[k - 1] = as_varying(grad_of(k, xs, cs, j, False).astype(
-                    lp.shapes[k - 1].dtype), axes)
-            elif kind == W:
-                grads = jax.tree_util.tree_map(lambda g: as_varying(g, axes),
-                                               grad_of(k, xs, cs, j, True))
-            return tuple(outs), tuple(bouts), grads, sums, bn
-        return fn
-
-    branches = [branch(IDLE, 0)] + [branch(kind, k) for kind in (F, B, W) for k in range(S)]
-
-    def tick(carry, row):
-        xs, cs, grads, sums_acc, bn_acc = carry
-        mine = row[stage]
-        index = jnp.where(mine[0] == IDLE, 0, (mine[0] - 1) * S + stage + 1)
-        outs, bouts, dp, sums, bn = lax.switch(index, branches, xs, cs, mine[1])
-        fwd = [lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)]) for b in range(S - 1)]
-        bwd = [lax.ppermute(bouts[b], lp.stage_axis, [(b + 1, b)]) for b in range(S - 1)]
-        if S > 1:
-            prev, nxt = row[jnp.maximum(stage - 1, 0)], row[jnp.minimum(stage + 1, S - 1)]
-            got_x = lax.switch(stage, [zeros_x] +
-                               [lambda b=b: flat(fwd[b]) for b in range(S - 1)])
-            got_c = lax.switch(stage, [lambda b=b: flat(bwd[b]) for b in range(S - 1)] +
-                               [zeros_x])
-            store_x = (stage > 0) & (prev[0] == F)
-            store_c = (stage < S - 1) & (nxt[0] == B)
-            xs = xs.at[prev[1] % K].set(jnp.where(store_x, got_x, xs[prev[1] % K]))
-            cs = cs.at[nxt[1] % K].set(jnp.where(store_c, got_c, cs[nxt[1] % K]))
-        grads = jax.tree_util.tree_map(jnp.add, grads, dp)
-        bn_acc = jax.tree_util.tree_map(jnp.add, bn_acc, bn)
-        return (xs, cs, grads, sums_acc + sums, bn_acc), None
-
-    ring = as_varying(jnp.full((K, x_width), lp.fill, dtype), axes)
-    init = (ring, ring, zeros_grads, zero_sums(), lp.zeros_bn())
-    (_, _, grads, sums, bn), _ = lax.scan(tick, init, jnp.asarray(table(S, M)))
+    c = _Step(p, forward_branches, run_stage, lp, loss_sum, ring, zeros_grads)
+    branches = [_branch(c, IDLE, 0)] + [_branch(c, kind, k) for kind in (F, B, W)
+                                        for k in range(S)]
+    buf = as_varying(jnp.full((slots(S), ring.width), lp.fill, ring.dtype), axes)
+    init = (buf, buf, zeros_grads, as_varying(jnp.zeros((4,), jnp.float32), axes),
+            lp.zeros_bn())
+    (_, _, grads, sums, bn), _ = lax.scan(functools.partial(_tick, c, branches), init,
+                                          jnp.asarray(table(S, lp.M)))
     return grads, sums, bn
