@@ -175,7 +175,7 @@ def test_cifar_missing_paths_name_the_path(tmp_path):
     ({b"data": np.zeros((2, 100), np.uint8), b"labels": [0, 1]}, r"uint8 array \[N, 3072\]"),
     ({b"data": np.zeros((2, 3072), np.float32), b"labels": [0, 1]}, r"uint8 array \[N, 3072\]"),
     ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 1, 2]}, r"2 images but b'labels'"),
-    ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 10]}, r"label 10 at position 1 is outside \[0, 10\)"),
+    ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 10]}, r"label 10 at index 1 is outside \[0, 10\)"),
     ([1, 2, 3], "expected a pickled dict, got list"),
     ({b"data": os.getcwd, b"labels": []}, "getcwd, which a CIFAR batch never does; refusing"),
 ])
@@ -256,7 +256,7 @@ def test_mnist_errors_name_the_file(tmp_path):
         ds.load_mnist(root)
     # labels out of range
     labels_path.write_bytes(idx_bytes(np.array([0, 1, 2, 3, 10], np.uint8)))
-    with pytest.raises(ValueError, match=esc(labels_path) + r": label 10 at position 4 is outside"):
+    with pytest.raises(ValueError, match=esc(labels_path) + r": label 10 at index 4 is outside"):
         ds.load_mnist(root)
     # a corrupt .gz
     gz = root / "train-images-idx3-ubyte.gz"

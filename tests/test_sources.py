@@ -82,13 +82,36 @@ def test_bad_sources_are_refused_naming_the_fix(tmp_path):
     split = sources.record_split(mixed)
     with pytest.raises(ValueError, match=r"record 4 holds a uint8 image \(9, 9, 1\).*resize"):
         split.images[np.arange(5)]
-    with pytest.raises(ValueError, match=r"labels in \[0, 9\], outside \[0, num_classes=5\)"):
+    first = int(np.flatnonzero(DIGITS.train.labels >= 5)[0])
+    with pytest.raises(ValueError, match=rf"the train source: label {DIGITS.train.labels[first]} "
+                                         rf"at index {first} is outside \[0, 5\)"):
         sources.record_dataset(_records(DIGITS.train), _records(DIGITS.val), num_classes=5)
+    named = _records(DIGITS.val)[:3]
+    named[2]["label"] = "cat"
+    with pytest.raises(ValueError, match=r"label 'cat' at index 2 is not an integer class id"):
+        sources.record_split(named)
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match=r"holds no train\*.array_record file"):
         ip.load_dataset("array_record", str(tmp_path / "empty"))
     with pytest.raises(ValueError, match="is not a folder"):
         ip.load_dataset("hf", str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("split,value", [("train", 10), ("val", -1)])
+def test_a_label_out_of_range_in_any_source_is_refused_before_the_first_step(split, value):
+    """Every source reaches the trainer as a Dataset; a label equal to num_classes (its
+    one-hot all zeros) or negative is named with its split and index in prepare, before
+    anything is traced (the batch check would meet it only at its step)."""
+    from trjax.data.splits import Dataset, Split
+    from trjax.train import trainer
+    parts = {"train": DIGITS.train, "val": DIGITS.val}
+    labels = parts[split].labels.copy()
+    labels[7] = value
+    parts[split] = Split(parts[split].images, labels)
+    data = Dataset(parts["train"], parts["val"], 10, "digits", mean=DIGITS.mean, std=DIGITS.std)
+    with pytest.raises(ValueError, match=rf"the {split} split of digits: label {value} at index "
+                                         r"7 is outside \[0, 10\)"):
+        trainer.prepare(small_config(devices="2", global_batch_size=32), data)
 
 
 @pytest.mark.job

@@ -36,7 +36,7 @@ import numpy as np
 from trjax.data import sources
 from trjax.data.formats import read_cifar_pickle, read_idx
 from trjax.data.imagefolder import IMAGENET_MEAN, IMAGENET_STD, ImageFolder
-from trjax.data.splits import Dataset, Split, channel_stats  # noqa: F401 (re-exported)
+from trjax.data.splits import Dataset, Split, channel_stats, class_ids  # noqa: F401 (re-exported)
 
 
 def _uint8_dataset(train_x, train_y, val_x, val_y, num_classes, name) -> Dataset:
@@ -94,16 +94,7 @@ def digits_from_sklearn(val_fraction: float = 0.2, seed: int = 0):
 
 
 def _check_labels(labels: np.ndarray, num_classes: int, path: Path) -> np.ndarray:
-    labels = np.asarray(labels)
-    if labels.ndim != 1 or not (np.issubdtype(labels.dtype, np.integer) or labels.size == 0):
-        raise ValueError(f"{path}: labels must be a 1-D sequence of integers, got shape "
-                         f"{labels.shape} dtype {labels.dtype}")
-    bad = (labels < 0) | (labels >= num_classes)
-    if bad.any():
-        pos = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{path}: label {labels[pos].item()} at position {pos} is outside "
-                         f"[0, {num_classes})")
-    return labels.astype(np.int32)
+    return class_ids(labels, str(path), num_classes)
 
 
 def _require_dir(root, expected: str) -> Path:

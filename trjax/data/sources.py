@@ -27,10 +27,10 @@ from typing import Any, Callable
 
 import numpy as np
 
-from trjax.data.splits import Dataset, Split, channel_stats
+from trjax.data.splits import Dataset, Split, channel_stats, class_ids
 
 
-def _example(record, image: str, label: str, decode: Callable | None) -> tuple[np.ndarray, int]:
+def _example(record, image: str, label: str, decode: Callable | None) -> tuple[np.ndarray, Any]:
     """``(image [H, W, C], label)`` of one record: ``decode(record)`` or the
     record itself, a mapping with keys ``image`` and ``label``. Integer pixels
     (0..255) become uint8, a ``[H, W]`` image ``[H, W, 1]``."""
@@ -48,7 +48,7 @@ def _example(record, image: str, label: str, decode: Callable | None) -> tuple[n
                              ": integer pixels must be 0..255 (they travel as uint8); scale "
                              "them in decode=, or store float images")
         x = x.astype(np.uint8)
-    return (x[..., None] if x.ndim == 2 else x), int(np.asarray(y))
+    return (x[..., None] if x.ndim == 2 else x), np.asarray(y).item()  # checked: class_ids
 
 
 class RecordImages:
@@ -101,10 +101,11 @@ class RecordImages:
 def _labels(source, image: str, label: str, decode: Callable | None) -> np.ndarray:
     """``[N] int32``: a column store's label column when it has one (an HF
     ``Dataset``: ``source[label]``), else every record read once."""
+    what = f"the {type(source).__name__} source's {label!r}"
     if decode is None and label in (getattr(source, "column_names", None) or ()):
-        return np.asarray(source[label], np.int32)
-    return np.asarray([_example(source[i], image, label, decode)[1] for i in range(len(source))],
-                      np.int32)
+        return class_ids(source[label], what)
+    return class_ids([_example(source[i], image, label, decode)[1] for i in range(len(source))],
+                     what)
 
 
 def record_split(source, *, image: str = "image", label: str = "label",
@@ -148,9 +149,7 @@ def record_dataset(train, val, *, num_classes: int | None = None, name: str = "r
     va = record_split(val, image=image, label=label, decode=decode)
     k = int(max(tr.labels.max(), va.labels.max())) + 1 if num_classes is None else num_classes
     for split, labels in (("train", tr.labels), ("val", va.labels)):
-        if labels.min() < 0 or labels.max() >= k:
-            raise ValueError(f"the {split} source has labels in [{labels.min()}, {labels.max()}],"
-                             f" outside [0, num_classes={k})")
+        class_ids(labels, f"the {split} source", k)
     if mean is None or std is None:
         mean, std = channel_stats(tr.images[:])
     return Dataset(tr, va, k, name, mean=tuple(mean), std=tuple(std))

@@ -81,3 +81,61 @@ def channel_stats(images: np.ndarray) -> tuple[tuple, tuple]:
         raise ValueError(f"channel(s) {np.flatnonzero(std == 0).tolist()} of the training images "
                          f"are constant: cannot standardise")
     return tuple(mean.tolist()), tuple(std.tolist())
+
+
+def class_ids(labels, where: str, num_classes: int | None = None) -> np.ndarray:
+    """``labels`` as ``[N] int32`` class ids, checked: integers (or integral
+    floats), and with ``num_classes`` inside ``[0, num_classes)``.
+
+    Args:
+      labels: a 1-D sequence (a list, a numpy array, a column of an HF dataset).
+      where: what they are, for the message (``"the val split of records"``).
+      num_classes: the class count, or ``None``: only the type is checked.
+
+    Raises:
+      ValueError: not 1-D, a label that is not an integer (a string: map the
+        class names to ids), or one outside ``[0, num_classes)``; naming the
+        index and the value.
+    """
+    arr = np.asarray(labels)
+    if arr.dtype.kind in "USO" and arr.ndim == 1:  # names or mixed objects: the first non-id
+        raw = list(labels)
+        i = next((i for i, v in enumerate(raw) if isinstance(v, (bool, np.bool_)) or
+                  not isinstance(v, (int, np.integer))), None)
+        if i is not None:
+            raise ValueError(f"{where}: label {raw[i]!r} at index {i} is not an integer class "
+                             "id; map class names to ids 0..K-1 (decode=, or an HF ClassLabel "
+                             "feature)")
+        arr = np.asarray([int(v) for v in raw], np.int64)
+    if arr.ndim != 1:
+        raise ValueError(f"{where}: labels must be a 1-D sequence of class ids, got shape "
+                         f"{arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        numeric = np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.bool_)
+        bad = (np.mod(arr, 1) != 0) if numeric and np.issubdtype(arr.dtype, np.floating) else \
+            np.ones(arr.shape, bool)
+        if not numeric or bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{where}: label {arr[i].item()!r} at index {i} is not an integer "
+                             "class id; map class names to ids 0..K-1 (decode=, or an HF "
+                             "ClassLabel feature)")
+    if num_classes is not None and arr.size:
+        bad = (arr < 0) | (arr >= num_classes)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise ValueError(f"{where}: label {arr[i].item()!r} at index {i} is outside "
+                             f"[0, {num_classes}) (num_classes); fix the data or num_classes")
+    return arr.astype(np.int32)
+
+
+def check_labels(data: "Dataset") -> None:
+    """Every label of both splits of ``data`` is a class id in ``[0, num_classes)``
+    (:func:`class_ids`), checked once before anything is traced: every source
+    (arrays, ImageFolder, CIFAR/MNIST files, records, HF, ArrayRecord) reaches
+    the trainer as a :class:`Dataset` whose splits hold their labels.
+
+    Raises:
+      ValueError: naming the split, the index and the value.
+    """
+    for split, part in (("train", data.train), ("val", data.val)):
+        class_ids(part.labels, f"the {split} split of {data.name}", data.num_classes)

@@ -21,6 +21,7 @@ import numpy as np
 
 from trjax import aot, models, optim, parallel, steps
 from trjax.data import input_pipeline
+from trjax.data.splits import check_labels
 from trjax.train import config as config_lib
 from trjax.train import init_from as init_from_lib
 from trjax import exchange as exchange_lib
@@ -117,7 +118,9 @@ def prepare(config: ml_collections.ConfigDict,
         when it does not resume.
 
     Raises:
-      ValueError: an invalid config, device spec or batch split; a model whose
+      ValueError: an invalid config, device spec or batch split; a label of either
+        split outside ``[0, num_classes)`` or not an integer (naming the index and
+        the value, :func:`trjax.data.splits.check_labels`); a model whose
         output is not ``[B, num_classes]`` float logits; a ``loss_fn`` that
         does not return ``[B]`` float losses (or combined with
         ``label_smoothing``); a ``transform`` that changes the image's shape
@@ -133,6 +136,7 @@ def prepare(config: ml_collections.ConfigDict,
         data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size,
                                            verify=config.verify_images,
                                            skip_bad_images=config.skip_bad_images)
+    check_labels(data)  # every source: a label outside [0, num_classes) is an error now
     input_pipeline.resolve_workers(config.data_workers, data.train)  # a bad value: error now
     train_steps = input_pipeline.steps_per_epoch(len(data.train.labels), world.global_batch_size,
                                                  config.train_remainder)
