@@ -30,6 +30,7 @@ class Block(nn.Module):
     def __call__(self, x, train: bool = False):
         y = nn.Conv(self.features, (3, 3), use_bias=False)(x)
         y = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9)(y))
+        y = nn.Dropout(0.1, deterministic=not train)(y)  # a random stream in every stage
         y = nn.Conv(self.features, (3, 3), use_bias=False)(y)
         y = nn.BatchNorm(use_running_average=not train, momentum=0.9)(y)
         return nn.relu(x + y)
@@ -62,11 +63,13 @@ def test_stages_are_balanced_by_each_layers_cost():
     assert abs(sum(plan.shares) - 1) < 1e-12
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_a_sequential_cnn_pipelined_step_equals_gradient_accumulation(schedule):
     """One step on data:2,stage:2 (M = 4) against data:2 with grad_accumulation_steps = 4:
     parameters and flax BatchNorm's running statistics within the one-step bound, the
-    metric counts exact; dropout draws the same masks."""
+    metric counts exact; dropout (in every block and the head: both stages) draws the same
+    masks in the forward and in every recompute (GPipe's remat, 1F1B's backward, ZB-H1's B
+    and W: a recompute that folded in another micro-batch index would differ)."""
     pp = _setup(devices="4", mesh="data:2,stage:2", pipeline_microbatches=4,
                 pipeline_schedule=schedule)
     dp = _setup(devices="2", grad_accumulation_steps=4)
