@@ -159,7 +159,8 @@ def test_your_own_model_with_a_plan_equals_data_parallel(make, plan):
     """One step on data:4,model:2 (flax BatchNorm on split channels, Dropout on the head's
     replicated input) from the same initial state lands within the one-step bound of
     data:4's (same rows and dropout keys per data rank); the evaluation gives the same sums;
-    the compiled step's collectives over 'model' are the pairs' f/g and the head's gather."""
+    the compiled step's collectives over 'model' are the pairs' f/g, the head's gather and
+    the non-finite flag."""
     tp, s1, a1, m1 = _one_step(make, "data:4,model:2", plan)
     dp, s0, a0, m0 = _one_step(make, "data:4")
     assert tp.layout.kind == "tensor" and dp.world.data_size == tp.world.data_size == 4
@@ -176,8 +177,9 @@ def test_your_own_model_with_a_plan_equals_data_parallel(make, plan):
     cols = comm.collectives_in_hlo(comm.hlo_text(tp.train_step.compiled))
     over = sorted(c["kind"] for c in cols if comm.axis_of(c, tp.world.mesh) == "model")
     pairs = sum(r == "row" for r in tp.layout.network.layer_plan.roles.values())
-    # per pair: g forward and f backward; the head: its gather forward and f backward
-    assert over == ["all-gather"] + ["all-reduce"] * (2 * pairs + 1), over
+    # per pair: g forward and f backward; the head: its gather forward and f backward; the
+    # non-finite flag (each model rank checked its own slices)
+    assert over == ["all-gather"] + ["all-reduce"] * (2 * pairs + 2), over
 
 
 def test_a_resnets_default_split_is_its_default_plan():

@@ -98,8 +98,9 @@ def test_tensor_parallel_step_equals_data_parallel(bn_mode, optimizer, trainers)
 def test_tensor_parallel_collectives_by_axis(trainers):
     """The compiled step (running BN; the adamw step test's trainer: an elementwise
     optimizer adds no collective): over 'model' the f/g all-reduces of the split
-    block and the head (forward g, backward f of the block, backward f of the head) and the
-    logits' all-gather; over 'data' the two buckets (deep first) and the BN statistics; no
+    block and the head (forward g, backward f of the block, backward f of the head), the
+    one-element non-finite flag (each model rank checked its own slices) and the logits'
+    all-gather; over 'data' the two buckets (deep first) and the BN statistics; no
     collective over both axes."""
     tr = trainers("running", "adamw", "data:2,model:2")
     cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
@@ -108,7 +109,9 @@ def test_tensor_parallel_collectives_by_axis(trainers):
     for c in cols:
         kinds.setdefault(comm.axis_of(c, mesh), []).append(c["kind"])
     assert set(kinds) == {"data", "model"}, kinds
-    assert sorted(kinds["model"]) == ["all-gather"] + ["all-reduce"] * 3, kinds["model"]
+    assert sorted(kinds["model"]) == ["all-gather"] + ["all-reduce"] * 4, kinds["model"]
+    assert sorted(c["elements"] for c in cols if comm.axis_of(c, mesh) == "model" and
+                  c["kind"] == "all-reduce")[0] == 1  # the flag
     data = [c for c in cols if comm.axis_of(c, mesh) == "data"]
     sizes = [c["elements"] for c in data]
     plan = tr.plan

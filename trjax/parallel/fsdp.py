@@ -9,12 +9,13 @@ parameters are global arrays split along a dimension, as here.
 The batch splits over ``data x fsdp``: every device is a data replica, as on
 ``data:D*F``, and draws the same rows and dropout keys as that run's device of
 the same rank. Each parameter leaf is split over ``fsdp`` along one dimension
-(:func:`shard_dims`), and so are its gradient, its optimizer state and its EMA:
+(:func:`trjax.parallel.shards.shard_dims`), and so are its gradient, its optimizer state
+and its EMA:
 between steps a device holds 1/F of them. A checkpoint stays a tree of the
 unsplit leaves, so it restores onto any other mesh. Per step and device:
 
 1. one all-gather over ``fsdp`` per bucket of the MemoryPlan gives the full
-   parameters (:func:`gather`);
+   parameters (:func:`trjax.parallel.shards.gather`);
 2. data parallelism's forward and backward on them;
 3. one reduce-scatter over ``fsdp`` per bucket, in the plan's order (deep
    first, the seed's order): each device receives the sum of its own 1/F
@@ -90,7 +91,8 @@ def reduce_scatter(grads, sums, dims, groups, metrics_bucket: str, size: int):
 
 def fsdp_forward_backward(inner, dims, groups, metrics_bucket, size,
                           params, batch_stats, batch, options, loss_scale, rng):
-    """:func:`gather`, the inner layout's forward and backward on what it holds
+    """:func:`trjax.parallel.shards.gather`, the inner layout's forward and backward on what
+    it holds
     (``inner``: data parallelism's, :func:`trjax.parallel.layout.data_forward_backward`
     over the batch axes, or a tensor-parallel or pipeline layout's), then
     :func:`reduce_scatter`. The layout binds all but the last six arguments."""

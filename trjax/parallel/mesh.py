@@ -124,7 +124,8 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
         wants += [("grad_accumulation_steps", c.grad_accumulation_steps == 1,
                    "1 (the pipeline's micro-batches are its accumulation: "
                    "config.pipeline_microbatches)"),
-                  ("mixup_alpha", not c.mixup_alpha, "0"), ("cutmix_alpha", not c.cutmix_alpha, "0")]
+                  ("mixup_alpha", not c.mixup_alpha, "0"),
+                  ("cutmix_alpha", not c.cutmix_alpha, "0")]
     for key, ok, fix in wants:
         if not ok:
             raise ValueError(f"config.{key}={c[key]!r} is not supported with {kind} "

@@ -1,14 +1,17 @@
 """Pipeline parallelism (GPipe, 1F1B, ZB-H1) for trjax's ResNets and sequences of layers,
-one SPMD program.
+one SPMD program: the stage runner (:func:`pipeline_forward_backward`) and the layout.
+The stage split is :mod:`trjax.parallel.stages`, the schedules
+:mod:`trjax.parallel.schedules` (one signature; ZB-H1 in
+:mod:`trjax.parallel.zero_bubble`), the stage-owned rows :mod:`trjax.parallel.stage_owned`.
 
 :func:`layout` is the :class:`~trjax.parallel.layout.Layout` of a mesh with a
 ``stage`` axis (``config.mesh="data:2,stage:4"``): its ``forward_backward`` is
 :func:`pipeline_forward_backward` with the schedule bound, which
 :func:`trjax.steps.make_train_step` calls like any other (design v2: the
 parameters are split over ``stage`` and each stage's leaves gathered whole onto its
-own devices for the step, :mod:`trjax.parallel.stage_owned`). Sources: GPipe (Huang et al., "GPipe: Efficient Training of Giant
-Neural Networks using Pipeline Parallelism", NeurIPS 2019: fill/drain schedule,
-the backward from the forward loop); the jax ``shard_map`` notebook,
+own devices for the step, :mod:`trjax.parallel.stage_owned`). Sources: GPipe (Huang
+et al., "GPipe: Efficient Training of Giant Neural Networks using Pipeline Parallelism",
+NeurIPS 2019: fill/drain schedule, the backward from the forward loop); the jax ``shard_map`` notebook,
 §"SPMD pipeline parallelism" (a loop of ``M + S - 1`` ticks and a ``ppermute``
 shift per tick); praxis ``praxis/layers/pipeline.py`` (bubble iterations must
 not touch parameters' gradients nor BatchNorm statistics; the NaN-polluted
@@ -53,7 +56,8 @@ every branch (the untaken ones as zeros), so without ``remat`` the loop keeps
 S stages' residuals for each of the M + S - 1 ticks; ``remat=True`` keeps only
 each stage call's inputs and recomputes the stage in the backward (the test
 model at S = 3, M = 4 on XLA:CPU: temp 379 KB -> 98 KB). The 1F1B schedule
-(:func:`trjax.parallel.schedules.one_f_one_b`) stashes O(S) micro-batches' stage inputs instead of O(M).
+(:func:`trjax.parallel.schedules.one_f_one_b`) stashes O(S) micro-batches' stage
+inputs instead of O(M).
 
 Equivalence. Micro-batch ``j`` on data rank ``r`` holds the local rows ``[j
 mu, (j + 1) mu)``, ``mu = local / M``: the grouping of
@@ -82,16 +86,13 @@ from trjax.parallel.layout import Layout, check_bn_mode
 from trjax.parallel.schedules import SCHEDULES, forward_branch, loss_sum, make_loop
 from trjax.parallel.shards import combined_specs, flat_axes, gather, local_shapes, shard_dims
 from trjax.parallel.stage_owned import StageRows, subtree
-from trjax.parallel.stages import (MIN_BN_ROWS, SEQUENCES, SPLITTABLE, StagePlan,  # noqa: F401 (re-exported)
+# re-exported: the stage split is the pipeline's (trjax.parallel.stages)
+from trjax.parallel.stages import (MIN_BN_ROWS, SEQUENCES, SPLITTABLE, StagePlan,  # noqa: F401
                                    balanced_split, bn_rows, check_pipeline,
                                    default_microbatches, plan_stages, stage_modules)
 from trjax.world import DATA_AXIS, STAGE_AXIS
 
 
-"""Pipeline schedules (``config.pipeline_schedule``): GPipe (Huang et al. 2019) and
-1F1B (PipeDream-Flush: Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN
-Training", ICML 2021; Megatron-LM's ``forward_backward_pipelining_without_interleaving``) and
-ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024; :mod:`trjax.parallel.zero_bubble`)."""
 
 
 

@@ -261,4 +261,8 @@ def _one_f_one_b_tick(p, forward_branches, backward_branches, lp: Loop, flat, ca
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble.forward_backward}
-"""``config.pipeline_schedule`` -> the schedule (one signature, module docstring)."""
+"""``config.pipeline_schedule`` -> the schedule (one signature, module docstring): GPipe
+(Huang et al. 2019), 1F1B (PipeDream-Flush: Narayanan et al., "Memory-Efficient
+Pipeline-Parallel DNN Training", ICML 2021; Megatron-LM's
+``forward_backward_pipelining_without_interleaving``) and ZB-H1 (Qi et al., "Zero Bubble
+Pipeline Parallelism", ICLR 2024; :mod:`trjax.parallel.zero_bubble`)."""

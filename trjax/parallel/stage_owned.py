@@ -83,7 +83,8 @@ class StageRows:
 
     @classmethod
     def build(cls, params, dims, stage_names) -> "StageRows":
-        """``params``: the abstract whole tree; ``dims``: :func:`shard_dims` of it;
+        """``params``: the abstract whole tree; ``dims``:
+        :func:`trjax.parallel.shards.shard_dims` of it;
         ``stage_names``: per stage, the units it owns (:func:`unit_path`)."""
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         flat_dims = tuple(treedef.flatten_up_to(dims))
