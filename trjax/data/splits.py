@@ -110,15 +110,16 @@ def class_ids(labels, where: str, num_classes: int | None = None) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"{where}: labels must be a 1-D sequence of class ids, got shape "
                          f"{arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        numeric = np.issubdtype(arr.dtype, np.floating) or np.issubdtype(arr.dtype, np.bool_)
-        bad = (np.mod(arr, 1) != 0) if numeric and np.issubdtype(arr.dtype, np.floating) else \
-            np.ones(arr.shape, bool)
-        if not numeric or bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise ValueError(f"{where}: label {arr[i].item()!r} at index {i} is not an integer "
-                             "class id; map class names to ids 0..K-1 (decode=, or an HF "
-                             "ClassLabel feature)")
+    bad = None  # integers pass; integral floats pass; anything else (bools) is refused
+    if arr.dtype.kind == "f":
+        bad = np.mod(arr, 1) != 0
+    elif arr.dtype.kind not in "iu":
+        bad = np.ones(arr.shape, bool)
+    if bad is not None and bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{where}: label {arr[i].item()!r} at index {i} is not an integer "
+                         "class id; map class names to ids 0..K-1 (decode=, or an HF "
+                         "ClassLabel feature)")
     if num_classes is not None and arr.size:
         bad = (arr < 0) | (arr >= num_classes)
         if bad.any():
