@@ -59,6 +59,49 @@ def test_exported_logits_are_trjax_evaluation_bit_for_bit(tmp_path):
     assert sums[0] / sums[3] == pytest.approx(summary["val_loss"], rel=1e-5)
 
 
+@pytest.mark.job
+def test_a_run_on_a_split_mesh_exports_its_unsplit_evaluation(tmp_path):
+    """Runs trained on fsdp:8 (bn_mode='local'), data:2,stage:4 and data:4,model:2 (with an
+    EMA) export the one-device folded evaluation: the whole validation set through each
+    export gives exactly the run's own val_top1 (its evaluation ran split over the mesh),
+    and --ema the run's EMA val_top1. In local mode each replica evaluated with its own
+    statistics row and the export holds replica 0's: it gives the run's evaluation with
+    replica 0's row on every device."""
+    from trjax.data import input_pipeline
+    from trjax.metrics import batch_metrics
+    from trjax.train import setup, train_and_evaluate
+    from trjax.train.trainer import evaluate_pass
+    data = input_pipeline.load_dataset("digits")
+    common = dict(num_epochs=1, halt_after_steps=3, devices="8", global_batch_size=32,
+                  eval_batch_size=40, log_every_steps=0, tensorboard=False, learning_rate=0.2)
+    runs = {"fsdp:8": dict(bn_mode="local"),
+            "data:2,stage:4": dict(model_kwargs={"stage_sizes": (2, 1, 1)},
+                                   pipeline_microbatches=4),
+            "data:4,model:2": dict(ema_decay=0.5)}
+    mask = np.ones(len(data.val.labels), np.float32)
+    for i, (mesh, extra) in enumerate(runs.items()):
+        work, cfg = str(tmp_path / f"run{i}"), small_config(mesh=mesh, **common, **extra)
+        state, summary = train_and_evaluate(cfg, work, data=data)
+        if extra.get("bn_mode") == "local":
+            row0 = jax.tree_util.tree_map(lambda x: jax.device_put(
+                np.broadcast_to(np.asarray(x)[:1], x.shape), x.sharding), state.batch_stats)
+            summary = {f"val_{k}": v for k, v in evaluate_pass(
+                setup(cfg, data), state.replace(batch_stats=row0)).items()}
+        kinds = [("", False)] + ([("ema_", True)] if extra.get("ema_decay") else [])
+        for prefix, ema in kinds:
+            out = str(tmp_path / f"export{i}{prefix}")
+            meta = export_lib.export(work, out, ema=ema)
+            assert meta["parameters"] == ("ema" if ema else "params")
+            exported = jax.export.deserialize(open(os.path.join(out, "model.jax_export"),
+                                                   "rb").read())
+            sums = np.asarray(batch_metrics(exported.call(data.val.images), data.val.labels,
+                                            mask))
+            assert sums[1] / sums[3] == summary[f"val_{prefix}top1"], (mesh, prefix)
+            assert sums[0] / sums[3] == pytest.approx(summary[f"val_{prefix}loss"], rel=1e-4)
+    with pytest.raises(ValueError, match="holds no EMA of the parameters"):
+        export_lib.export(str(tmp_path / "run0"), str(tmp_path / "no_ema"), ema=True)
+
+
 def _workdir(tmp_path):
     """A workdir with a config.json and no checkpoint."""
     from trjax.train import loop_io

@@ -496,6 +496,59 @@ def test_a_changed_checkpoint_key_is_refused_on_resume_before_compiling(key, tmp
         train_and_evaluate(_base(**{**base, key: value}), str(tmp_path), data)
 
 
+def _loss_a(logits, labels):
+    return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def _loss_b(logits, labels):
+    return 2.0 * optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+
+def _flip(image, rng):
+    return image[:, ::-1]
+
+
+@pytest.mark.parametrize("key,first,second", [("loss_fn", _loss_a, _loss_b),
+                                              ("transform", None, _flip)])
+def test_another_loss_fn_or_transform_is_refused_on_resume(key, first, second, tmp_path,
+                                                           monkeypatch):
+    """Issue 53, kind 6. The checkpoint's meta records the identity of the run's own
+    loss_fn / transform (trainer.code_identity: qualified name and source hash; None for
+    the built-in one); a resume with another one (or a built-in run resumed with one) is an
+    error naming both, before compiling; a callable that names itself with the recorded
+    identity (trjax_identity) passes the check."""
+    data, cfg = tiny_digits(), _base()
+    meta = {**trainer.checkpoint_keys(trainer.prepare(cfg, data, **{key: first})),
+            "epoch": 1, "batch": 1}
+    assert meta[key] == trainer.code_identity(first)
+    save_stand_in_checkpoint(tmp_path, meta)
+    monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
+    from trjax.train import train_and_evaluate
+    with pytest.raises(ValueError, match=rf"trained with another {key}: {key}: checkpoint "):
+        train_and_evaluate(_base(), str(tmp_path), data, **{key: second})
+
+    if first is None:
+        return
+
+    def renamed(*args):
+        return second(*args)
+    renamed.trjax_identity = meta[key]
+
+    def compiled(*a, **k):
+        raise RuntimeError("past the check")
+    monkeypatch.setattr(aot, "compile_step", compiled)
+    with pytest.raises(RuntimeError, match="past the check"):
+        train_and_evaluate(_base(), str(tmp_path), data, **{key: renamed})
+
+
+def test_code_identity_follows_the_code():
+    import functools
+    ident = trainer.code_identity
+    assert ident(None) is None and ident(_loss_a) == ident(_loss_a) != ident(_loss_b)
+    assert ident(_loss_a).startswith("test_properties._loss_a#")
+    assert ident(functools.partial(_flip, rng=1)) != ident(functools.partial(_flip, rng=2))
+
+
 def test_a_checkpoint_key_an_older_meta_lacks_is_not_compared(tmp_path):
     """A checkpoint of a trjax that did not record a key yet (a recipe key, before issue
     40) passes the check for it (config.json, compared first, holds it); one it holds is

@@ -30,7 +30,7 @@ Constructors: :func:`allreduce` (``lax.psum`` or an algorithm of
 uncompressed before a start step, as optax's ``conditionally_transform`` and
 PyTorch's ``start_powerSGD_iter``), :func:`shard_optimizer_state` (ZeRO-1).
 :func:`from_config` picks one. The mean is ``sum / global count``, applied
-once, inside the optimizer update (:func:`_apply_mean`).
+once, before the optimizer update (:func:`_mean`, :func:`_apply`).
 
 The optimizer recipe on top (issue 30): :func:`clip_before` (clipping by the
 global norm of the exact mean gradient, ``config.grad_clip_norm``; ZeRO-1 has its
@@ -74,14 +74,33 @@ class Update(NamedTuple):
     last: jax.Array     # the last collective's result (ordering anchor)
 
 
+class Mean(NamedTuple):
+    """What :attr:`GradientExchange.mean` returns (per device)."""
+    grads: Any          # the global mean gradient (this device's slices of split leaves)
+    sums: jax.Array     # [len(METRICS)] float32, global
+    finite: jax.Array   # bool scalar: the reduced buckets this device holds are finite
+    comm_state: Any
+    last: jax.Array     # the last collective's result (ordering anchor)
+
+
 class GradientExchange(NamedTuple):
-    """A data-parallel strategy (see the module docstring)."""
+    """A data-parallel strategy (see the module docstring).
+
+    ``mean`` and ``apply`` are ``update`` in two halves, for the exchanges whose
+    optimizer state is replicated over the data axis (``None`` for ZeRO-1):
+    ``mean(buffers, comm_state, step, loss_scale, axis_name) -> Mean`` per device,
+    inside ``shard_map``; ``apply(grads, params, opt_state, step) -> (params,
+    opt_state)``, traceable on per-device slices or on global arrays (a mesh
+    that splits parameters runs it outside ``shard_map``, so a norm over a split
+    leaf is the unsplit leaf's: :func:`trjax.steps.make_train_step`)."""
     name: str
     init: Callable[[Any, World], tuple[Any, Any]]
     specs: Callable[[str], tuple[Any, Any]]
     update: Callable[..., Update]
     check_vma: bool
     checkpoint_keys: Callable[[World], dict]
+    mean: Callable[..., Mean] | None = None
+    apply: Callable[..., tuple] | None = None
 
 
 def _per_replica(world: World) -> dict:
@@ -95,19 +114,23 @@ def _inverse_count(count: jax.Array, loss_scale) -> jax.Array:
     return inv if loss_scale is None else inv / loss_scale
 
 
-def _apply_mean(tx, plan: MemoryPlan, reduced, params, opt_state, loss_scale, step):
-    """The tail of every replicated-optimizer exchange: unpack the reduced
-    buckets, scale the sums to the mean over the global count, update (``tx``
-    gets the train step's counter as ``step=``: :func:`trjax.optim.scale_by_step_schedule`).
-    Every replica sees the same reduced values, so ``finite`` agrees without
-    another collective."""
+def _mean(plan: MemoryPlan, reduced, loss_scale, comm_state) -> Mean:
+    """Unpack the reduced buckets and scale the sums to the mean over the global
+    count (loss scale divided out). Every replica sees the same reduced values,
+    so ``finite`` agrees over the data axis without another collective."""
     grads, sums = plan.unpack(reduced)
     finite = jnp.isfinite(sum(jnp.sum(b) for b in reduced.values()))
     inv_count = _inverse_count(sums[_COUNT], loss_scale)
     grads = jax.tree_util.tree_map(lambda g: g * inv_count, grads)
+    return Mean(grads, sums, finite, comm_state, list(reduced.values())[-1])
+
+
+def _apply(tx, grads, params, opt_state, step):
+    """``tx``'s update on the mean gradient (``tx`` gets the train step's counter
+    as ``step=``: :func:`trjax.optim.scale_by_step_schedule`), applied."""
     updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, params,
                                                                   step=step)
-    return optax.apply_updates(params, updates), opt_state, sums, finite
+    return optax.apply_updates(params, updates), opt_state
 
 
 def clip_before(tx: optax.GradientTransformation, max_norm: float) -> optax.GradientTransformation:
@@ -188,7 +211,14 @@ def with_ema(exchange: GradientExchange, decay: float) -> GradientExchange:
                                      opt_state.ema, up.params)
         return up._replace(opt_state=EmaState(up.opt_state, ema))
 
-    return exchange._replace(name=f"{exchange.name}+ema", init=init, specs=specs, update=update)
+    def apply(grads, params, opt_state, step):
+        params, opt = exchange.apply(grads, params, opt_state.opt, step)
+        ema = jax.tree_util.tree_map(lambda e, p: decay * e + (1.0 - decay) * p,
+                                     opt_state.ema, params)
+        return params, EmaState(opt, ema)
+
+    return exchange._replace(name=f"{exchange.name}+ema", init=init, specs=specs, update=update,
+                             apply=None if exchange.apply is None else apply)
 
 
 def ema_params(state):
@@ -216,20 +246,25 @@ def ema_state(state):
 def _replicated(name, tx, plan, reduce, check_vma, init_comm, checkpoint_keys):
     """An exchange with the optimizer state replicated: ``reduce(buffers,
     comm_state, step, axis_name, loss_scale) -> ({bucket: sum}, comm_state)``
-    (sums in the buffers' units: loss-scaled with a loss scale) then
-    :func:`_apply_mean`."""
+    (sums in the buffers' units: loss-scaled with a loss scale), then
+    :func:`_mean` and :func:`_apply`."""
 
     def init(params, world):
         return jax.jit(tx.init, out_shardings=world.replicated())(params), init_comm(world)
 
-    def update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name):
+    def mean(buffers, comm_state, step, loss_scale, axis_name):
         reduced, comm_state = reduce(buffers, comm_state, step, axis_name, loss_scale)
-        params, opt_state, sums, finite = _apply_mean(tx, plan, reduced, params, opt_state,
-                                                      loss_scale, step)
-        return Update(params, opt_state, comm_state, sums, finite, list(reduced.values())[-1])
+        return _mean(plan, reduced, loss_scale, comm_state)
+
+    apply = functools.partial(_apply, tx)
+
+    def update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name):
+        m = mean(buffers, comm_state, step, loss_scale, axis_name)
+        params, opt_state = apply(m.grads, params, opt_state, step)
+        return Update(params, opt_state, m.comm_state, m.sums, m.finite, m.last)
 
     return GradientExchange(name, init, lambda axis_name: (P(), P(axis_name)), update, check_vma,
-                            checkpoint_keys)
+                            checkpoint_keys, mean, apply)
 
 
 def allreduce(tx: optax.GradientTransformation, plan: MemoryPlan, algorithm: str = "xla",
@@ -448,7 +483,10 @@ USER_TX = "tx"
 
 
 def _user_tx(tx, plan: MemoryPlan, schedule) -> optax.GradientTransformation:
-    built = tx(plan, schedule) if callable(tx) else tx
+    built = tx(plan, schedule) if callable(tx) and not hasattr(tx, "gradient_transformation") \
+        else tx
+    if hasattr(built, "gradient_transformation"):  # optax.MultiSteps and its kind
+        built = built.gradient_transformation()
     if not isinstance(built, optax.GradientTransformation):
         raise TypeError(f"tx must be an optax.GradientTransformation or a callable "
                         f"(plan, schedule) -> GradientTransformation, got {type(built).__name__}")
@@ -470,7 +508,8 @@ def from_config(config, plan: MemoryPlan, schedule, world: World,
       tx: ``None``: the config's optimizer (:func:`trjax.optim.make_optimizer`
         with ``optimizer``, ``momentum``, ``nesterov``, ``weight_decay``,
         ``trust_coefficient``, ``adam_b1``/``adam_b2``/``adam_eps``). Else an
-        optax ``GradientTransformation`` on the params tree, or a callable
+        optax ``GradientTransformation`` on the params tree (an
+        ``optax.MultiSteps`` by its ``gradient_transformation()``), or a callable
         ``(plan, schedule) -> GradientTransformation`` (to build masks from
         the plan, e.g. :func:`trjax.optim.kernel_mask`, or use the run's
         warmup-cosine ``schedule``), used instead; those config keys are then

@@ -1,11 +1,11 @@
 """Exports a trained run's evaluation function with ``jax.export`` (StableHLO).
 
-  trjax-export WORKDIR OUT [--step N] [--platforms cpu,cuda]
+  trjax-export WORKDIR OUT [--step N] [--ema] [--platforms cpu,cuda]
   python -m trjax.export WORKDIR OUT ...
 
 Reads ``WORKDIR/config.json`` and the newest checkpoint in ``WORKDIR/checkpoints``
-(or ``--step N``), rebuilds the run's model on ONE device and writes into the
-new folder ``OUT``:
+(or ``--step N``), rebuilds the run's model on ONE device, whatever mesh trained it
+(:func:`one_device_config`), and writes into the new folder ``OUT``:
 
 * ``model.jax_export``: the serialized :class:`jax.export.Exported` of
   ``predict(images uint8 [B, H, W, C]) -> logits float32 [B, K]``: the
@@ -154,8 +154,27 @@ def _fit(stored: dict, like, what: str, ckpt: str, log) -> Any:
     return flax.serialization.from_state_dict(like, as_dict)
 
 
+MESH_KEYS = {"devices": "1", "mesh": "", "pipeline_microbatches": 0, "pipeline_stage_starts": "",
+             "pipeline_schedule": "gpipe", "pipeline_remat": True, "tensor_plan": "",
+             "shard_optimizer_state": False, "compression": "none", "allreduce": "xla",
+             "allreduce_local_size": 0}
+"""The config keys that say how a run lay over its devices, and their one-device values."""
+
+
+def one_device_config(config):
+    """A copy of ``config`` on one device with the data axis only (:data:`MESH_KEYS`):
+    the evaluation a checkpoint exports is the unsplit, folded function whatever
+    mesh (``fsdp``, ``stage``, ``model``), exchange or ZeRO-1 trained it (a
+    checkpoint holds whole leaves)."""
+    config = config.copy_and_resolve_references()
+    for key, value in MESH_KEYS.items():
+        if key in config:
+            config[key] = value
+    return config
+
+
 def restore(workdir: str, step: int | None = None, *, data=None, model=None,
-            log: Callable[[str], None] = print) -> Restored:
+            ema: bool = False, log: Callable[[str], None] = print) -> Restored:
     """A run's newest checkpoint (or ``step``), on one device, ready to evaluate.
 
     Builds the run's model from ``WORKDIR/config.json`` as
@@ -170,6 +189,8 @@ def restore(workdir: str, step: int | None = None, *, data=None, model=None,
         not ``config.dataset`` (in-memory arrays passed to
         ``train_and_evaluate``); its ``mean`` / ``std`` standardise the input.
       model: the flax model the run was given (``model=``), if any.
+      ema: the parameters' exponential moving average (``config.ema_decay``,
+        :func:`trjax.exchange.with_ema`) instead of the parameters.
       log: one-line messages.
 
     Returns:
@@ -177,8 +198,9 @@ def restore(workdir: str, step: int | None = None, *, data=None, model=None,
 
     Raises:
       FileNotFoundError: no ``config.json`` or no checkpoint (at ``step``).
-      ValueError: the checkpoint does not fit the config's model, or was
-        trained on other data than the config's data set loads now.
+      ValueError: the checkpoint does not fit the config's model, was
+        trained on other data than the config's data set loads now, or holds
+        no EMA (``ema=True``).
     """
     import jax
     from trjax.data import input_pipeline
@@ -194,8 +216,7 @@ def restore(workdir: str, step: int | None = None, *, data=None, model=None,
     if step is not None and step not in steps:
         raise FileNotFoundError(f"no checkpoint of step {step} in {ckpt_dir} (steps there: "
                                 f"{steps}): pass one of them, or leave --step out for the newest")
-    config.devices, config.mesh = "1", ""  # one device: the folded evaluation, no collective
-    tr = trainer.prepare(config, data=data, model=model)
+    tr = trainer.prepare(one_device_config(config), data=data, model=model)
     state, meta = checkpoint.read(ckpt_dir, step)
     path = os.path.join(ckpt_dir, str(max(steps) if step is None else step))
     ident = trainer.data_identity(tr.data.train)
@@ -210,7 +231,15 @@ def restore(workdir: str, step: int | None = None, *, data=None, model=None,
             "trjax.export.export(workdir, out, data=<the Dataset the run trained on>)")
     net = tr.model
     like = net.abstract_variables(tr.data.image_shape)
-    params = _fit(state["params"], like["params"], "params", path, log)
+    stored = state["params"]
+    if ema:
+        opt = state.get("opt_state")  # EmaState(opt, ema) as a state dict
+        stored = opt.get("ema") if isinstance(opt, dict) else None
+        if stored is None:
+            raise ValueError(f"checkpoint {path} holds no EMA of the parameters (the run's "
+                             f"config.ema_decay={config.ema_decay!r}): export without --ema, "
+                             "or train with ema_decay > 0")
+    params = _fit(stored, like["params"], "EMA params" if ema else "params", path, log)
     batch_stats = _fit(state.get("batch_stats", {}), like.get("batch_stats", {}),
                        "batch_stats", path, log)
     device = jax.devices()[0]
@@ -243,7 +272,7 @@ def predict_fn(restored: Restored) -> Callable:
 
 
 def export(workdir: str, out: str, *, step: int | None = None,
-           platforms: Sequence[str] | None = None, data=None, model=None,
+           platforms: Sequence[str] | None = None, data=None, model=None, ema: bool = False,
            log: Callable[[str], None] = print) -> dict:
     """Writes ``OUT/model.jax_export`` and ``OUT/model.json`` (module docstring).
 
@@ -253,7 +282,7 @@ def export(workdir: str, out: str, *, step: int | None = None,
       step: the checkpoint's step; ``None``: the newest.
       platforms: what to lower for (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``);
         ``None``: this host's default backend.
-      data, model: as for :func:`restore`.
+      data, model, ema: as for :func:`restore`.
       log: one-line messages.
 
     Returns:
@@ -270,7 +299,7 @@ def export(workdir: str, out: str, *, step: int | None = None,
     if os.path.exists(out) and not (os.path.isdir(out) and not os.listdir(out)):
         raise FileExistsError(f"{out} exists and is not an empty folder: the export would mix "
                               "with what is there; delete it, or name a new folder")
-    restored = restore(workdir, step, data=data, model=model, log=log)
+    restored = restore(workdir, step, data=data, model=model, ema=ema, log=log)
     predict = jax.jit(predict_fn(restored))
     h, w, c = restored.image_shape
     dtype = restored.image_dtype
@@ -301,6 +330,7 @@ def export(workdir: str, out: str, *, step: int | None = None,
                             "std": None if net.std is None else [float(v) for v in net.std],
                             "inside": True},
         "step": restored.step,
+        "parameters": "ema" if ema else "params",
         "checkpoint": os.path.abspath(restored.checkpoint),
         "model": config.model,
         "dataset": config.dataset,
@@ -338,13 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("out", help="a new (or empty) folder for model.jax_export and model.json")
     ap.add_argument("--step", type=int, default=None,
                     help="the checkpoint's step (default: the newest)")
+    ap.add_argument("--ema", action="store_true",
+                    help="export the parameters' moving average (a run with ema_decay > 0)")
     ap.add_argument("--platforms", default="",
                     help="comma-separated platforms to lower for, e.g. cpu,cuda "
                          "(default: this host's backend)")
     args = ap.parse_args(argv)
     platforms = [p.strip() for p in args.platforms.split(",") if p.strip()] or None
     try:
-        export(args.workdir, args.out, step=args.step, platforms=platforms)
+        export(args.workdir, args.out, step=args.step, platforms=platforms, ema=args.ema)
     except (FileNotFoundError, FileExistsError, ValueError, ImportError) as e:
         sys.exit(f"error: {e}")  # ImportError: jax's serialization needs flatbuffers
     return 0

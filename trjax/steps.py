@@ -131,6 +131,8 @@ def make_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPlan
     skipped on every replica).
     """
     options = StepOptions() if options is None else options
+    if layout.split_axes:
+        return _split_train_step(layout, exchange, plan, options)
     net, axis = layout.network, layout.data_axis
 
     def local_step(state: TrainState, batch):
@@ -177,6 +179,20 @@ def apply_gradients(state: TrainState, grads, sums, bn_sums, rules, plan: Memory
     if layout.split_axes:  # each device checked its own slices: all skip or apply together
         bad = collectives.after((~finite).astype(jnp.float32), up.last)
         finite = lax.psum(bad, layout.split_axes) == 0
+    new = state.replace(params=up.params, opt_state=up.opt_state, comm_state=up.comm_state,
+                        batch_stats=layout.stats_rows(new_bs))
+    return finish_step(state, new, up.sums, finite, options)
+
+
+def finish_step(state: TrainState, new: TrainState, sums, finite, options: StepOptions):
+    """The loss scale's update, and ``new``'s params, optimizer, comm and BN
+    states where ``finite``, else ``state``'s (the skip of a non-finite
+    update); the step and skip counters advanced. Elementwise: per device or
+    on global arrays alike.
+
+    Returns:
+      ``(new_state, StepMetrics)`` of the global metric ``sums``.
+    """
     loss_scale, good_steps = state.loss_scale, state.good_steps
     if options.dynamic_loss_scale:
         loss_scale, good_steps = update_loss_scale(loss_scale, good_steps, finite,
@@ -184,14 +200,76 @@ def apply_gradients(state: TrainState, grads, sums, bn_sums, rules, plan: Memory
     keep = lambda new, old: jax.tree_util.tree_map(
         lambda a, b: jnp.where(finite, a, b), new, old)
     new_state = TrainState(
-        comm_state=keep(up.comm_state, state.comm_state),
+        comm_state=keep(new.comm_state, state.comm_state),
         step=state.step + 1,
-        params=keep(up.params, state.params),
-        batch_stats=keep(layout.stats_rows(new_bs), state.batch_stats),
-        opt_state=keep(up.opt_state, state.opt_state),
+        params=keep(new.params, state.params),
+        batch_stats=keep(new.batch_stats, state.batch_stats),
+        opt_state=keep(new.opt_state, state.opt_state),
         skipped_steps=state.skipped_steps + (1 - finite.astype(jnp.int32)),
         loss_scale=loss_scale, good_steps=good_steps)
-    return new_state, StepMetrics.from_sums(up.sums, finite.astype(jnp.float32), loss_scale)
+    return new_state, StepMetrics.from_sums(sums, finite.astype(jnp.float32), loss_scale)
+
+
+def _split_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPlan,
+                      options: StepOptions) -> Callable:
+    """:func:`make_train_step` of a mesh that splits parameters (``layout.split_axes``).
+
+    Inside ``shard_map``: the forward and backward, the buckets' mean over
+    ``layout.grad_axes`` (:attr:`~trjax.exchange.GradientExchange.mean`), the BN
+    statistics and the non-finite flag summed over the split axes. Outside it,
+    on global arrays laid out by ``layout``'s specs: the optimizer
+    (:attr:`~trjax.exchange.GradientExchange.apply`) and the skip. A norm the
+    optimizer takes (LARS's trust ratio, a global-norm clip, any in the user's
+    own optax chain) is thus the norm of the unsplit leaf: XLA's partitioner
+    sums each split leaf's squares over the axes that split it (MaxText's and
+    big_vision's way); elementwise optimizers stay on each device's slices, with
+    no collective.
+
+    Raises:
+      ValueError: an exchange without ``mean``/``apply`` (ZeRO-1: refused on
+        these meshes by :func:`trjax.parallel.mesh.check_config`).
+    """
+    if exchange.apply is None:
+        raise ValueError(f"exchange {exchange.name!r} updates inside shard_map only; a mesh "
+                         f"with split axes {layout.split_axes} needs one with mean/apply")
+    net, axis, mesh = layout.network, layout.data_axis, layout.world.mesh
+    specs = state_specs(layout, exchange)
+
+    def local_mean(state: TrainState, batch):
+        scale = state.loss_scale if options.dynamic_loss_scale else None
+        rng = dropout_key(net.seed, state.step, lax.axis_index(axis))
+        grads, sums, bn_sums, rules = layout.forward_backward(
+            state.params, layout.own_stats(state.batch_stats), batch, options, scale, rng)
+        m = exchange.mean(plan.pack(grads, lax.stop_gradient(sums)), state.comm_state,
+                          state.step, scale, layout.grad_axes)
+        new_bs, finite = sync_batch_stats(layout.own_stats(state.batch_stats), bn_sums,
+                                          layout.bn_reduce_axes, 0.9, m.last, m.finite, rules)
+        bad = collectives.after((~finite).astype(jnp.float32), m.last)
+        finite = lax.psum(bad, layout.split_axes) == 0  # all skip or apply together
+        return m.grads, m.sums, finite, layout.stats_rows(new_bs), m.comm_state
+
+    mean = jax.shard_map(local_mean, mesh=mesh, in_specs=(specs, layout.batch),
+                         out_specs=(specs.params, P(), P(), specs.batch_stats, specs.comm_state),
+                         check_vma=False)
+
+    def train_step(state: TrainState, batch):
+        grads, sums, finite, new_bs, comm_state = mean(state, batch)
+        params, opt_state = exchange.apply(grads, state.params, state.opt_state, state.step)
+        new = state.replace(params=params, opt_state=opt_state, comm_state=comm_state,
+                            batch_stats=new_bs)
+        new_state, metrics = finish_step(state, new, sums, finite, options)
+        return _constrain(new_state, specs, mesh), metrics
+
+    return train_step
+
+
+def _constrain(tree, specs, mesh):
+    """``tree`` laid out by ``specs`` (a pytree prefix of ``PartitionSpec``): the
+    state a step returns keeps the layout it was given (donation, the next step)."""
+    def one(spec, sub):
+        sharding = jax.sharding.NamedSharding(mesh, spec)
+        return jax.tree_util.tree_map(lambda x: lax.with_sharding_constraint(x, sharding), sub)
+    return jax.tree_util.tree_map(one, specs, tree, is_leaf=lambda x: isinstance(x, P))
 
 
 def make_fold_bn(layout: Layout) -> Callable:

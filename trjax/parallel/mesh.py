@@ -30,24 +30,16 @@ def pipeline_microbatches(config, world) -> int:
         config.bn_mode)
 
 
-def from_config(config, world, model, image_shape, tx=None) -> Layout:
+def from_config(config, world, model, image_shape) -> Layout:
     """The :class:`Layout` of ``config.mesh`` for ``model`` (a
     :class:`trjax.models.Network`), with the config's names in every message.
 
     Raises:
-      ValueError: your own optimizer (``tx``) on an ``fsdp`` or ``model`` axis (a norm over a
-        split layer would be per slice); what the constructors raise (not a trjax
-        ResNet, channels that do not divide, micro-batches that do not fit, bad
-        stage starts), before anything is traced.
+      ValueError: what the constructors raise (not a trjax ResNet, channels that
+        do not divide, micro-batches that do not fit, bad stage starts), before
+        anything is traced.
     """
     sizes = dict(world.axes)
-    split = [a for a in (FSDP_AXIS, STAGE_AXIS, MODEL_AXIS) if a in sizes]
-    if split and tx is not None:
-        raise ValueError(f"tx= (your own optimizer) on config.mesh={config.mesh!r}: with a "
-                         f"'{split[0]}' axis it would see each device's slice of a split leaf, "
-                         "so a norm over a layer or all leaves (clipping, LARS) would be per "
-                         "slice; use config.optimizer='sgd' or 'adamw', or a mesh without "
-                         f"'{split[0]}'")
     out = data_parallel(model, world, image_shape, config.bn_mode)  # each axis adds itself
     if MODEL_AXIS in sizes:
         out = tensor.layout(out, config.tensor_plan)
@@ -74,11 +66,12 @@ def _stage_plan(config, world, model, image_shape) -> pipeline.StagePlan:
 def check_config(config, own_model: bool, builtin_models=()) -> None:
     """The combinations a model-parallel mesh allows, before anything is traced.
 
-    Every axis past ``data`` splits leaves, so it runs XLA's all-reduce, no
-    compression, no ZeRO-1 and an elementwise optimizer (a norm over a split
-    layer would be per slice: no LARS, no ``grad_clip_norm``); ``stage`` and
-    ``model`` keep BN in ``running`` or ``sync`` mode; a pipeline's micro-batches
-    replace ``grad_accumulation_steps`` and it takes no mixup/cutmix. The
+    Every axis past ``data`` splits leaves, so it runs no hierarchical all-reduce, no
+    compression and no ZeRO-1 (the parameters' axes already shard the optimizer
+    state); any optimizer, clipping and ``tx=`` run (on global arrays:
+    :func:`trjax.steps.make_train_step`); ``stage`` and ``model`` keep BN in
+    ``running`` or ``sync`` mode; a pipeline's micro-batches replace
+    ``grad_accumulation_steps`` (each mixed as accumulation mixes it). The
     pipeline keys are an error without a ``stage`` axis, the tensor plan without
     a ``model`` one.
 
@@ -109,23 +102,23 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
                          "(module paths; trjax.parallel.tensor), use a built-in model "
                          f"({sorted(builtin_models)}) or a mesh with the data axis only")
     # every axis past data splits leaves over its devices (fsdp and stage: every leaf; model:
-    # layers), so the exchange is XLA's psum and a norm over a layer or all leaves (LARS,
-    # clipping) would be per shard
-    wants = [("allreduce", c.allreduce == "xla", "'xla'"),
-             ("compression", c.compression == "none", "'none'"),
+    # layers): the exchange all-reduces each device's slices over data
+    wants = [("allreduce", c.allreduce != "hierarchical",
+              "'xla', 'ring', 'halving_doubling' or 'tree' (hierarchical groups consecutive "
+              "ranks as a node; on this mesh the data axis' neighbours are the split axes' "
+              "size apart, so every data-axis all-reduce already crosses nodes)"),
+             ("compression", c.compression == "none",
+              "'none' (a compressor would see each device's slices after the other axes' "
+              "collectives, so its result and error feedback are not the data-parallel "
+              "run's, and it could shrink only the data axis' traffic: docs/parallelism.md)"),
              ("shard_optimizer_state", not c.shard_optimizer_state,
-              "False (this mesh already shards the optimizer state over its axes)"),
-             ("optimizer", c.optimizer in ("sgd", "adamw"),
-              "'sgd' or 'adamw' (LARS's per-layer norm would be per shard)"),
-             ("grad_clip_norm", not c.grad_clip_norm, "0 (the global norm would be per shard)")]
+              "False (this mesh already shards the optimizer state over its axes)")]
     if stage or model:
         wants.insert(0, ("bn_mode", c.bn_mode in ("running", "sync"), "'running' or 'sync'"))
     if stage:
         wants += [("grad_accumulation_steps", c.grad_accumulation_steps == 1,
                    "1 (the pipeline's micro-batches are its accumulation: "
-                   "config.pipeline_microbatches)"),
-                  ("mixup_alpha", not c.mixup_alpha, "0"),
-                  ("cutmix_alpha", not c.cutmix_alpha, "0")]
+                   "config.pipeline_microbatches)")]
     for key, ok, fix in wants:
         if not ok:
             raise ValueError(f"config.{key}={c[key]!r} is not supported with {kind} "

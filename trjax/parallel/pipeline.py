@@ -103,7 +103,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
                               stage_axis: str = STAGE_AXIS, num_stages: int | None = None,
                               loss_fn=None, label_smoothing: float = 0.0,
                               remat: bool = False, bubble_fill: float = 0.0,
-                              schedule: str = "gpipe", select=None, rng=None):
+                              schedule: str = "gpipe", select=None, rng=None,
+                              mixing=(0.0, 0.0)):
     """Per device, a pipeline schedule: gradients of the summed loss, metric sums,
     BN batch sums. Call inside ``jax.shard_map`` over ``(data_axis, stage_axis)``,
     the batch split over ``data``; the parameters are cast to varying over both
@@ -143,6 +144,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
       rng: this data rank's step key (:func:`trjax.objective.dropout_key`
         without ``micro``): micro-batch ``j`` draws from ``fold_in(rng, j)``, as
         under gradient accumulation; ``None``: no random streams.
+      mixing: ``(mixup_alpha, cutmix_alpha)``: each micro-batch mixed as gradient
+        accumulation mixes it (:func:`trjax.parallel.schedules.make_loop`; needs ``rng``).
 
     Returns:
       ``(grads, sums [4] float32, bn_sums, rules)`` as
@@ -173,7 +176,7 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     run_stage = stage_runner(stage_modules(net, plan), plan, batch_stats, bn_mode,
                               data_axis, remat, rules, select, rng, net._split)
     lp = make_loop(net, batch, params, run_stage, S, M, bn_mode,
-                   flat_axes(data_axis, stage_axis), bubble_fill, loss_scale)
+                   flat_axes(data_axis, stage_axis), bubble_fill, loss_scale, mixing, rng)
     branches = [forward_branch(k, run_stage, lp, loss_fn, label_smoothing) for k in range(S)]
     p = jax.tree_util.tree_map(lambda a: as_varying(a, lp.axes), params)
     loss = functools.partial(loss_sum, loss_fn=loss_fn, label_smoothing=label_smoothing,
@@ -243,17 +246,17 @@ def _forward_backward(network, stages: StagePlan, num_microbatches: int, bn_mode
 
     Raises:
       ValueError (while tracing): ``options`` asking for gradient accumulation
-        (the micro-batches are the pipeline's accumulation) or mixup / cutmix
-        (they mix rows across a micro-batch).
+        (the micro-batches are the pipeline's accumulation).
     """
-    if options.grad_accumulation_steps != 1 or options.mixup_alpha or options.cutmix_alpha:
+    if options.grad_accumulation_steps != 1:
         raise ValueError(f"a pipeline's step takes no grad_accumulation_steps (its "
-                         f"{num_microbatches} micro-batches are its accumulation) and no "
-                         f"mixup/cutmix; got {options}")
+                         f"{num_microbatches} micro-batches are its accumulation); got "
+                         f"{options}")
     grads, sums, bn_sums, rules = pipeline_forward_backward(
         network, rows.gather(params), batch_stats, batch, num_microbatches, stages, loss_scale,
         bn_mode, data_axis, STAGE_AXIS, num_stages, options.loss_fn, options.label_smoothing, remat,
-        schedule=schedule, select=lambda k, p: rows.select(k, p, stages.names(k)), rng=rng)
+        schedule=schedule, select=lambda k, p: rows.select(k, p, stages.names(k)), rng=rng,
+        mixing=(options.mixup_alpha, options.cutmix_alpha))
     grads, sums = rows.scatter(grads, sums)
     return grads, sums, bn_sums, rules
 

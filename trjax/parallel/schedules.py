@@ -30,19 +30,36 @@ from jax import lax
 from trjax import models
 from trjax.collectives import as_varying
 from trjax.metrics import batch_metrics
-from trjax.objective import example_losses
+from trjax.objective import MIX_STREAM, example_losses, mix_batch
 from trjax.parallel import zero_bubble
 
 def make_loop(net, batch, params, run_stage, S: int, M: int, bn_mode: str, axes: tuple,
-              bubble_fill: float, loss_scale=None) -> "Loop":
+              bubble_fill: float, loss_scale=None, mixing=(0.0, 0.0), rng=None) -> "Loop":
     """The micro-batches (standardised, the last ``S - 1`` slots bubbles) and the
-    boundaries' shapes (traced abstractly, stage by stage) the loops share."""
+    boundaries' shapes (traced abstractly, stage by stage) the loops share.
+
+    ``mixing``: ``(mixup_alpha, cutmix_alpha)``; either > 0 mixes micro-batch ``j``
+    as gradient accumulation does (:func:`trjax.objective.mix_batch` with
+    ``fold_in(fold_in(rng, j), MIX_STREAM)``), and its labels carry the partners and
+    ``lam`` (:meth:`Loop.label`)."""
     image = batch["image"]
     mu = image.shape[0] // M
     x = models.normalize(image, net.mean, net.std, net.dtype)
     pad = lambda a, v: jnp.concatenate(
         [a.reshape((M, mu) + a.shape[1:]),
          jnp.full((S - 1, mu) + a.shape[1:], v, a.dtype)], axis=0)
+    labels = pad(batch["label"], 0)
+    if mixing[0] > 0 or mixing[1] > 0:
+        if rng is None:
+            raise ValueError("mixup_alpha / cutmix_alpha need the step's key (rng)")
+        mix = lambda xj, mj, j: mix_batch(  # noqa: E731
+            xj, mj, jax.random.fold_in(jax.random.fold_in(rng, j), MIX_STREAM), *mixing)
+        xs, perm, lam = jax.vmap(mix)(x.reshape((M, mu) + x.shape[1:]),
+                                      batch["mask"].reshape(M, mu),
+                                      jnp.arange(M, dtype=jnp.int32))
+        x = xs.reshape(x.shape)
+        labels = {"label": labels, "perm": pad(perm.reshape(-1), 0),
+                  "lam": jnp.concatenate([lam, jnp.ones((S - 1,), lam.dtype)])}
     images = pad(x, bubble_fill)                       # [T, mu, H, W, C]
     shapes, bn_shapes = [], {}
     cur = (images.shape[1:], images.dtype)
@@ -61,7 +78,7 @@ def make_loop(net, batch, params, run_stage, S: int, M: int, bn_mode: str, axes:
         lambda s: as_varying(jnp.zeros(s.shape, s.dtype), bn_axes), bn_shapes)
     zeros_buf = lambda b, v=0.0: as_varying(jnp.full(shapes[b].shape, v, shapes[b].dtype), axes)
     return Loop(S, M, mu, axes, axes[-1], lax.axis_index(axes[-1]), shapes, zeros_bn, zeros_buf,
-                 images, pad(batch["label"], 0), pad(batch["mask"].astype(jnp.float32), 0),
+                 images, labels, pad(batch["mask"].astype(jnp.float32), 0),
                  bubble_fill, bn_axes, loss_scale)
 
 
@@ -113,7 +130,7 @@ def gpipe(p, branches, run_stage, lp: "Loop", loss_sum):
             mask = jnp.where(valid, lp.masks[jc], jnp.zeros_like(lp.masks[jc]))
             inputs = (as_varying(lp.images[t], axes),) + tuple(bufs)
             outs, sums, bn = lax.switch(stage, branches, p, inputs, as_varying(mask, axes),
-                                        as_varying(lp.labels[jc], axes), valid, jc)
+                                        lp.label(jc), valid, jc)
             sums = jnp.where(valid, sums, jnp.zeros_like(sums))
             bn = jax.tree_util.tree_map(lambda a: jnp.where(valid, a, jnp.zeros_like(a)), bn)
             outs = [jnp.where(valid, o, jnp.zeros_like(o)) for o in outs]
@@ -134,10 +151,14 @@ def gpipe(p, branches, run_stage, lp: "Loop", loss_sum):
 
 
 def loss_sum(y, label, mask, loss_fn, label_smoothing, loss_scale):
-    """The last stage's metric sums and the (scaled) summed loss it differentiates."""
-    losses = None
-    if loss_fn is not None or label_smoothing > 0:
-        losses = example_losses(y, label, loss_fn, label_smoothing)
+    """The last stage's metric sums and the (scaled) summed loss it differentiates;
+    ``label``: ``[mu]``, or with mixing ``{"label", "perm", "lam"}`` (the soft target of
+    :func:`trjax.objective.example_losses`; top-1/top-5 count the rows' own labels)."""
+    losses, mix = None, None
+    if isinstance(label, dict):
+        label, mix = label["label"], (label["perm"], label["lam"])
+    if loss_fn is not None or label_smoothing > 0 or mix is not None:
+        losses = example_losses(y, label, loss_fn, label_smoothing, mix)
     sums = batch_metrics(y, label, mask, losses)
     return sums, (sums[0] if loss_scale is None else sums[0] * loss_scale)
 
@@ -160,6 +181,11 @@ class Loop:
     fill: float           # the value unused buffers start with (bubble_fill)
     bn_axes: tuple        # the axes the BN sums vary over
     loss_scale: object = None  # multiplies the loss GPipe differentiates (fp16), or None
+
+    def label(self, j):
+        """Micro-batch ``j``'s labels ``[mu]`` (with mixing, ``{"label", "perm", "lam"}``:
+        :func:`make_loop`), varying over the loop's axes."""
+        return jax.tree_util.tree_map(lambda a: as_varying(a[j], self.axes), self.labels)
 
 
 def one_f_one_b(p, forward_branches, run_stage, lp: Loop, loss_sum):
@@ -240,7 +266,7 @@ def _one_f_one_b_tick(p, forward_branches, backward_branches, lp: Loop, flat, ca
     inputs = (as_varying(lp.images[cf], axes),) + tuple(fwd)
     # F: this device's stage on micro-batch jf; its input goes into the stash
     outs, sums, bn = lax.switch(stage, forward_branches, p, inputs, as_varying(mf, axes),
-                                as_varying(lp.labels[cf], axes), vf, cf)
+                                lp.label(cf), vf, cf)
     x_in = lax.switch(stage, [lambda i, k=k: flat(i[k]) for k in range(S)], inputs)
     slot = jf % K
     stash = stash.at[slot].set(jnp.where(vf, x_in, stash[slot]))
@@ -250,7 +276,7 @@ def _one_f_one_b_tick(p, forward_branches, backward_branches, lp: Loop, flat, ca
     outs = [jnp.where(vf, o, jnp.zeros_like(o)) for o in outs]
     # B: micro-batch jb from its stashed input and the cotangent received last tick
     dp, douts = lax.switch(stage, backward_branches, stash[jb % K], tuple(bwd),
-                           as_varying(mb, axes), as_varying(lp.labels[cb], axes), vb, cb)
+                           as_varying(mb, axes), lp.label(cb), vb, cb)
     grads = jax.tree_util.tree_map(jnp.add, grads, dp)
     fwd = tuple(lax.ppermute(outs[b], lp.stage_axis, [(b, b + 1)]) for b in range(S - 1))
     bwd = tuple(lax.ppermute(douts[b], lp.stage_axis, [(b + 1, b)]) for b in range(S - 1))

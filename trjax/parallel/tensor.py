@@ -33,9 +33,10 @@ BatchNorm: a :class:`Plan` is the :class:`trjax.models.Network`'s
 ResNet splits by :func:`default_plan` (the last stage's block pairs and the
 head, where the weights are and the activations are small).
 
-Optimizer caveat: elementwise optimizers (SGD, momentum, Adam, weight decay)
-need nothing; per-layer norms (LARS) and global-norm clipping would need the
-split leaves' squares summed over ``model``; the trainer refuses them there.
+The optimizer: elementwise ones (SGD, momentum, Adam, weight decay) run on each
+device's slices; per-layer norms (LARS) and global-norm clipping need the split
+leaves' squares summed over ``model``, which the train step gets by updating the
+global arrays (:func:`trjax.steps.make_train_step`).
 """
 
 from __future__ import annotations

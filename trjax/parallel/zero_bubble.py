@@ -146,7 +146,7 @@ def _grad_of(c: _Step, k: int, xs, cs, j, wrt_params: bool):
     """B (``wrt_params`` False: the stage input's cotangent) or W (the parameters')
     of stage ``k`` on micro-batch ``j``, recomputing the stage from its stashed input."""
     lp, S, K = c.lp, c.lp.S, slots(c.lp.S)
-    x, mask, label = c.ring.stage_input(lp, k, xs, j), lp.masks[j], lp.labels[j]
+    x, mask, label = c.ring.stage_input(lp, k, xs, j), lp.masks[j], lp.label(j)
     if k < S - 1:
         f = lambda q, x: c.run_stage(k, q, x, mask, j)[0]  # noqa: E731
         ct = cs[j % K][:math.prod(lp.shapes[k].shape)].reshape(lp.shapes[k].shape)
@@ -175,7 +175,7 @@ def _branch(c: _Step, kind: int, k: int):
                            as_varying(jnp.zeros(s, c.ring.dtype), axes)
                            for i, s in enumerate(c.ring.in_shapes))
             outs, sums, bn = c.forward_branches[k](c.p, inputs, as_varying(lp.masks[j], axes),
-                                                   as_varying(lp.labels[j], axes), True, j)
+                                                   lp.label(j), True, j)
             outs = list(outs)
         elif kind == B and k > 0:
             bouts[k - 1] = as_varying(_grad_of(c, k, xs, cs, j, False).astype(

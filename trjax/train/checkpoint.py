@@ -415,6 +415,9 @@ def check_compatible(mngr: ocp.CheckpointManager, expect: dict, log=print) -> No
         _check_meta(*newest, expect)
 
 
+CODE_KEYS = ("loss_fn", "transform")
+"""The ``expect`` keys of the user's own code (:func:`trjax.train.trainer.code_identity`),
+not compared against a checkpoint of a trjax that did not record them yet."""
 DATA_KEYS = ("train_examples", "train_fingerprint")
 """The ``expect`` keys that say what a data position means
 (:func:`trjax.train.trainer.data_identity`)."""
@@ -424,13 +427,14 @@ def _check_meta(path: str, meta: dict, expect: dict) -> None:
     """Raises ``ValueError`` naming every ``expect`` key the checkpoint's meta
     differs in (the checkpoint's value and this run's), and the way out.
 
-    A config key (:data:`trjax.train.config.CHECKPOINT_KEYS`) the meta does not
-    hold is not compared: the checkpoint was written by a trjax that did not
+    A config key (:data:`trjax.train.config.CHECKPOINT_KEYS`) or code key
+    (:data:`CODE_KEYS`) the meta does not hold is not compared: the checkpoint was written by a trjax that did not
     record it yet (issue 40 added the recipe keys), and ``config.json``,
     compared first, holds it. Every other ``expect`` key must be there."""
     from trjax.train.config import CHECKPOINT_KEYS
+    optional = set(CHECKPOINT_KEYS) | set(CODE_KEYS)
     diff = {k: (meta.get(k), v) for k, v in expect.items()
-            if meta.get(k) != v and (k in meta or k not in CHECKPOINT_KEYS)}
+            if meta.get(k) != v and (k in meta or k not in optional)}
     if not diff:
         return
     named = ", ".join(f"{k}: checkpoint {a!r} vs now {b!r}" for k, (a, b) in diff.items())
@@ -440,6 +444,15 @@ def _check_meta(path: str, meta: dict, expect: dict) -> None:
                          "deleted or relabelled), so its (epoch, batch) position would point at "
                          "other examples. Restore the training data the run started with, or "
                          "start a new run in another workdir")
+    code = [k for k in CODE_KEYS if k in diff]
+    if code:
+        key, (was, _) = code[0], diff[code[0]]
+        fix = (f"resume without {key}= (the run used the built-in one)" if was is None else
+               f"pass the same {key}= on resume, or, when yours computes the same thing (a "
+               f"rename, a refactor), say so: {key}.trjax_identity = {was!r} "
+               "(trjax.train.trainer.code_identity)")
+        raise ValueError(f"checkpoint {path} was trained with another {' and '.join(code)}: "
+                         f"{named}; {fix}; or use another workdir")
     raise ValueError(f"checkpoint {path} is incompatible with this config: {named}; use "
                      "another workdir or the same settings")
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextvars
 import dataclasses
+import functools
 import hashlib
+import inspect
 import os
 from typing import Any
 
@@ -145,7 +147,7 @@ def prepare(config: ml_collections.ConfigDict,
     model = _network(config, world, data, model, dtype)
     models.warn_slow_statistics(models.bn_momenta(model, data.image_shape),
                                 train_steps * config.num_epochs)
-    layout = parallel.from_config(config, world, model, data.image_shape, tx=tx)
+    layout = parallel.from_config(config, world, model, data.image_shape)
     plan = build_plan(model, data.image_shape, config.buckets, local=layout.local_shapes)
     schedule = optim.learning_rate_schedule(config.learning_rate,
                                             config.warmup_epochs * train_steps,
@@ -219,6 +221,37 @@ def data_identity(split) -> dict:
     return {"train_examples": int(len(split.labels)), "train_fingerprint": h.hexdigest()[:16]}
 
 
+IDENTITY_ATTR = "trjax_identity"
+"""The attribute a user's ``loss_fn`` / ``transform`` may carry to name itself (a string):
+what :func:`code_identity` records instead of its qualified name and source hash."""
+
+
+def code_identity(fn) -> str | None:
+    """A stable identity of a user's callable (``loss_fn=``, ``transform=``) for a
+    checkpoint's meta: ``fn.trjax_identity`` when set (a name the user gives, e.g.
+    ``"ce-v2"``), else ``module.qualname#<sha256 of its source>`` (12 hex digits; the
+    source of a ``functools.partial``'s function plus its bound arguments' ``repr``; a
+    callable object's class); the code object's bytes and constants where there is no
+    source (e.g. defined in a REPL). ``None`` for ``None``."""
+    if fn is None:
+        return None
+    given = getattr(fn, IDENTITY_ATTR, None)
+    if given is not None:
+        return str(given)
+    extra = ""
+    if isinstance(fn, functools.partial):
+        extra = repr((fn.args, sorted(fn.keywords.items())))
+        fn = fn.func
+    target = fn if inspect.isfunction(fn) or inspect.isclass(fn) else type(fn)
+    try:
+        source = inspect.getsource(target)
+    except (OSError, TypeError):
+        code = getattr(target, "__code__", None)
+        source = repr((code.co_code, code.co_consts)) if code is not None else repr(target)
+    digest = hashlib.sha256((source + extra).encode()).hexdigest()[:12]
+    return f"{getattr(target, '__module__', '?')}.{getattr(target, '__qualname__', '?')}#{digest}"
+
+
 def checkpoint_keys(tr: Trainer) -> dict:
     """Everything a checkpoint of this run must match to be resumed: the config
     keys :data:`trjax.train.config.CHECKPOINT_KEYS`, the training data's
@@ -227,8 +260,12 @@ def checkpoint_keys(tr: Trainer) -> dict:
     per replica) the world size and, for a model other than trjax's ResNets
     (``model=`` or an import path), ``model_layout``: a SHA-256 of its
     parameter and statistics names, shapes and dtypes, so that a resume with
-    another model is refused by name before anything is compiled."""
+    another model is refused by name before anything is compiled; ``loss_fn``
+    and ``transform``: the :func:`code_identity` of the user's training loss and
+    augmentation (``None``: the built-in ones), so a resume with another one is
+    refused too."""
     keys = {k: tr.config[k] for k in config_lib.CHECKPOINT_KEYS}
+    keys.update(loss_fn=code_identity(tr.loss_fn), transform=code_identity(tr.transform))
     keys.update(data_identity(tr.data.train))
     keys.update(tr.exchange.checkpoint_keys(tr.world))
     keys.update(tr.layout.checkpoint_keys())
