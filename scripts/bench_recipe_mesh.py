@@ -21,6 +21,7 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8").strip()
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 RECIPES = {"sgd": {}, "lars+clip": {"optimizer": "lars", "grad_clip_norm": 1.0},
            "adamw+clip": {"optimizer": "adamw", "grad_clip_norm": 1.0}}
@@ -32,7 +33,8 @@ def measure(mesh: str, model: str, recipe: str, inside: bool) -> dict:
     from trjax.configs import default
     from trjax.train import trainer
     c = default.get_config()
-    c.model, c.mesh, c.devices = model, mesh, "8"
+    sizes = [int(a.split(":")[1]) for a in mesh.split(",")]
+    c.model, c.mesh, c.devices = model, mesh, str(int(np.prod(sizes)))
     for k, v in RECIPES[recipe].items():
         c[k] = v
     tr = trainer.prepare(c)
@@ -53,7 +55,7 @@ def measure(mesh: str, model: str, recipe: str, inside: bool) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="resnet8")
-    ap.add_argument("--meshes", default="data:2,fsdp:4;data:4,model:2;data:2,stage:2")
+    ap.add_argument("--meshes", default="data:2,fsdp:4;data:4,model:2;data:4,stage:2")
     args = ap.parse_args()
     for mesh in args.meshes.split(";"):
         for recipe in RECIPES:

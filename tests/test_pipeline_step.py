@@ -275,3 +275,45 @@ def test_a_refused_model_is_named_by_its_module(mesh, monkeypatch):
                                      eval_batch_size=GLOBAL), model=ResNet())
     want = "trjax.models.ResNet" if "stage" in mesh else "config.tensor_plan="
     assert f"{__name__}.ResNet" in str(e.value) and want in str(e.value), str(e.value)
+
+
+def _lowered(**config):
+    """The train step of ResNet-8 on data:2,stage:2 (M = 4), lowered (not compiled)."""
+    import re
+    from trjax import steps
+    cfg = small_config(devices="4", mesh="data:2,stage:2", global_batch_size=GLOBAL,
+                       eval_batch_size=GLOBAL, pipeline_microbatches=4, **config)
+    tr = trainer.prepare(cfg)
+    init = trainer.train_state_program(0, tr.layout, tr.exchange)
+    text = jax.jit(steps.make_train_step(tr.layout, tr.exchange, tr.plan,
+                                         trainer.step_options(tr))).lower(
+        init.abstract, trainer.example_batch(tr, GLOBAL)).as_text()
+    rows = re.findall(r"all_to_all.*?-> tensor<2x(\d+)xf32>", text)
+    return tr, text, {int(r) for r in rows}
+
+
+def test_remat_and_stage_starts_reach_the_built_step():
+    """Issue 53, kind 1: options the value oracle cannot see, read off the lowered program.
+    GPipe's remat puts each stage call behind jax.checkpoint's optimization barriers;
+    pipeline_stage_starts moves which blocks a stage owns, so the all-to-all's row width
+    (the largest stage's packed slices, R) is the one of that split, computed here from the
+    parameter tree by hand."""
+    from trjax.parallel import shards
+    _, plain, rows = _lowered()
+    _, no_remat, _ = _lowered(pipeline_remat=False)
+    assert plain.count("optimization_barrier") > no_remat.count("optimization_barrier")
+    tr, _, moved = _lowered(pipeline_stage_starts="stage3_block1")
+    params = tr.model.abstract_variables(tr.data.image_shape)["params"]
+    dims = shards.shard_dims(params, 2)
+
+    def width(second_stage_blocks):
+        fill = [0, 0]
+        for (path, x), d in zip(jax.tree_util.tree_flatten_with_path(params)[0],
+                                jax.tree_util.tree_structure(params).flatten_up_to(dims)):
+            if d is not None:
+                top = path[0].key
+                fill[int(top in second_stage_blocks or top == "head")] += x.size // 2
+        return max(fill)
+    want = width({"stage3_block1"})  # the gather's rows (the scatter's carry the metrics too)
+    assert min(moved) == want, (moved, want)
+    assert min(rows) != want  # the default split (by MACs) is another one

@@ -108,9 +108,9 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
               "ranks as a node; on this mesh the data axis' neighbours are the split axes' "
               "size apart, so every data-axis all-reduce already crosses nodes)"),
              ("compression", c.compression == "none",
-              "'none' (a compressor would see each device's slices after the other axes' "
-              "collectives, so its result and error feedback are not the data-parallel "
-              "run's, and it could shrink only the data axis' traffic: docs/parallelism.md)"),
+              "'none' (not written for split meshes: a compressor would see each device's "
+              "slices after the other axes' collectives, another algorithm than "
+              "data-parallel compression; docs/parallelism.md)"),
              ("shard_optimizer_state", not c.shard_optimizer_state,
               "False (this mesh already shards the optimizer state over its axes)")]
     if stage or model:
