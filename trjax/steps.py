@@ -106,7 +106,9 @@ def make_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPlan
     Per device: ``layout.forward_backward`` (data parallel, tensor parallel or
     a pipeline schedule: :mod:`trjax.parallel`), then :func:`apply_gradients`
     (the buckets, the exchange over ``layout.grad_axes``, the BN statistics,
-    the loss scale and the skip of a non-finite update).
+    the loss scale and the skip of a non-finite update). A layout that splits
+    the parameters (``layout.split_axes``) runs the optimizer on global arrays
+    instead (:func:`_split_train_step`).
 
     Args:
       layout: a :class:`trjax.parallel.Layout` (e.g.

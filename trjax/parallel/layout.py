@@ -78,7 +78,9 @@ class Layout:
       split_axes: the axes over which devices hold different slices of the
         parameters and their reduced gradient (``fsdp``, ``stage``, ``model``;
         ``()`` for data parallelism): the non-finite flag is summed over them so
-        that every device applies or skips the same update.
+        that every device applies or skips the same update, and the optimizer
+        runs on global arrays outside ``shard_map`` (:func:`trjax.steps.make_train_step`:
+        a norm over a split leaf is the unsplit leaf's).
     """
     world: Any
     model: Any
