@@ -194,6 +194,8 @@ def with_ema(exchange: GradientExchange, decay: float) -> GradientExchange:
     """
     if not 0.0 < decay < 1.0:
         raise ValueError(f"EMA decay {decay!r} must be in (0, 1)")
+    average = lambda ema, params: jax.tree_util.tree_map(  # noqa: E731
+        lambda e, p: decay * e + (1.0 - decay) * p, ema, params)
 
     def init(params, world):
         opt_state, comm_state = exchange.init(params, world)
@@ -207,15 +209,11 @@ def with_ema(exchange: GradientExchange, decay: float) -> GradientExchange:
     def update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name):
         up = exchange.update(buffers, params, opt_state.opt, comm_state, step, loss_scale,
                              axis_name)
-        ema = jax.tree_util.tree_map(lambda e, p: decay * e + (1.0 - decay) * p,
-                                     opt_state.ema, up.params)
-        return up._replace(opt_state=EmaState(up.opt_state, ema))
+        return up._replace(opt_state=EmaState(up.opt_state, average(opt_state.ema, up.params)))
 
     def apply(grads, params, opt_state, step):
         params, opt = exchange.apply(grads, params, opt_state.opt, step)
-        ema = jax.tree_util.tree_map(lambda e, p: decay * e + (1.0 - decay) * p,
-                                     opt_state.ema, params)
-        return params, EmaState(opt, ema)
+        return params, EmaState(opt, average(opt_state.ema, params))
 
     return exchange._replace(name=f"{exchange.name}+ema", init=init, specs=specs, update=update,
                              apply=None if exchange.apply is None else apply)
@@ -483,8 +481,7 @@ USER_TX = "tx"
 
 
 def _user_tx(tx, plan: MemoryPlan, schedule) -> optax.GradientTransformation:
-    built = tx(plan, schedule) if callable(tx) and not hasattr(tx, "gradient_transformation") \
-        else tx
+    built = tx(plan, schedule) if callable(tx) else tx
     if hasattr(built, "gradient_transformation"):  # optax.MultiSteps and its kind
         built = built.gradient_transformation()
     if not isinstance(built, optax.GradientTransformation):

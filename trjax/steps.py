@@ -135,13 +135,9 @@ def make_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPlan
     options = StepOptions() if options is None else options
     if layout.split_axes:
         return _split_train_step(layout, exchange, plan, options)
-    net, axis = layout.network, layout.data_axis
 
     def local_step(state: TrainState, batch):
-        scale = state.loss_scale if options.dynamic_loss_scale else None
-        rng = dropout_key(net.seed, state.step, lax.axis_index(axis))
-        grads, sums, bn_sums, rules = layout.forward_backward(
-            state.params, layout.own_stats(state.batch_stats), batch, options, scale, rng)
+        grads, sums, bn_sums, rules = _local_forward_backward(layout, options, state, batch)
         return apply_gradients(state, grads, sums, bn_sums, rules, plan, exchange, layout,
                                options)
 
@@ -176,14 +172,33 @@ def apply_gradients(state: TrainState, grads, sums, bn_sums, rules, plan: Memory
     buffers = plan.pack(grads, lax.stop_gradient(sums))
     up = exchange.update(buffers, state.params, state.opt_state, state.comm_state,
                          state.step, scale, layout.grad_axes)
-    new_bs, finite = sync_batch_stats(layout.own_stats(state.batch_stats), bn_sums,
-                                      layout.bn_reduce_axes, 0.9, up.last, up.finite, rules)
-    if layout.split_axes:  # each device checked its own slices: all skip or apply together
-        bad = collectives.after((~finite).astype(jnp.float32), up.last)
-        finite = lax.psum(bad, layout.split_axes) == 0
+    new_bs, finite = _statistics_and_flag(layout, state.batch_stats, bn_sums, rules, up.last,
+                                          up.finite)
     new = state.replace(params=up.params, opt_state=up.opt_state, comm_state=up.comm_state,
-                        batch_stats=layout.stats_rows(new_bs))
+                        batch_stats=new_bs)
     return finish_step(state, new, up.sums, finite, options)
+
+
+def _local_forward_backward(layout: Layout, options: StepOptions, state: TrainState, batch):
+    """Per device: ``layout.forward_backward`` on the state, with the loss scale and the
+    dropout key of the step and data rank (:func:`dropout_key`)."""
+    scale = state.loss_scale if options.dynamic_loss_scale else None
+    rng = dropout_key(layout.network.seed, state.step, lax.axis_index(layout.data_axis))
+    return layout.forward_backward(state.params, layout.own_stats(state.batch_stats), batch,
+                                   options, scale, rng)
+
+
+def _statistics_and_flag(layout: Layout, batch_stats, bn_sums, rules, last, finite):
+    """The new BN statistics as the state holds them (:func:`sync_batch_stats`) and
+    whether the update is finite: on a layout that splits parameters each device
+    checked its own slices, so the flag is summed over ``layout.split_axes`` and all
+    devices skip or apply together."""
+    new_bs, finite = sync_batch_stats(layout.own_stats(batch_stats), bn_sums,
+                                      layout.bn_reduce_axes, 0.9, last, finite, rules)
+    if layout.split_axes:
+        bad = collectives.after((~finite).astype(jnp.float32), last)
+        finite = lax.psum(bad, layout.split_axes) == 0
+    return layout.stats_rows(new_bs), finite
 
 
 def finish_step(state: TrainState, new: TrainState, sums, finite, options: StepOptions):
@@ -234,21 +249,16 @@ def _split_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPl
     if exchange.apply is None:
         raise ValueError(f"exchange {exchange.name!r} updates inside shard_map only; a mesh "
                          f"with split axes {layout.split_axes} needs one with mean/apply")
-    net, axis, mesh = layout.network, layout.data_axis, layout.world.mesh
-    specs = state_specs(layout, exchange)
+    mesh, specs = layout.world.mesh, state_specs(layout, exchange)
 
     def local_mean(state: TrainState, batch):
+        grads, sums, bn_sums, rules = _local_forward_backward(layout, options, state, batch)
         scale = state.loss_scale if options.dynamic_loss_scale else None
-        rng = dropout_key(net.seed, state.step, lax.axis_index(axis))
-        grads, sums, bn_sums, rules = layout.forward_backward(
-            state.params, layout.own_stats(state.batch_stats), batch, options, scale, rng)
         m = exchange.mean(plan.pack(grads, lax.stop_gradient(sums)), state.comm_state,
                           state.step, scale, layout.grad_axes)
-        new_bs, finite = sync_batch_stats(layout.own_stats(state.batch_stats), bn_sums,
-                                          layout.bn_reduce_axes, 0.9, m.last, m.finite, rules)
-        bad = collectives.after((~finite).astype(jnp.float32), m.last)
-        finite = lax.psum(bad, layout.split_axes) == 0  # all skip or apply together
-        return m.grads, m.sums, finite, layout.stats_rows(new_bs), m.comm_state
+        new_bs, finite = _statistics_and_flag(layout, state.batch_stats, bn_sums, rules,
+                                              m.last, m.finite)
+        return m.grads, m.sums, finite, new_bs, m.comm_state
 
     mean = jax.shard_map(local_mean, mesh=mesh, in_specs=(specs, layout.batch),
                          out_specs=(specs.params, P(), P(), specs.batch_stats, specs.comm_state),
@@ -268,10 +278,9 @@ def _split_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPl
 def _constrain(tree, specs, mesh):
     """``tree`` laid out by ``specs`` (a pytree prefix of ``PartitionSpec``): the
     state a step returns keeps the layout it was given (donation, the next step)."""
-    def one(spec, sub):
-        sharding = jax.sharding.NamedSharding(mesh, spec)
-        return jax.tree_util.tree_map(lambda x: lax.with_sharding_constraint(x, sharding), sub)
-    return jax.tree_util.tree_map(one, specs, tree, is_leaf=lambda x: isinstance(x, P))
+    return lax.with_sharding_constraint(tree, jax.tree_util.tree_map(
+        lambda s: jax.sharding.NamedSharding(mesh, s), specs,
+        is_leaf=lambda x: isinstance(x, P)))
 
 
 def make_fold_bn(layout: Layout) -> Callable:
