@@ -532,6 +532,11 @@ _NNX_CONTEXT: contextvars.ContextVar = contextvars.ContextVar("trjax_nnx_batchno
 _NNX_CLASSES: dict = {}
 
 
+def current_nnx_context() -> BatchNormContext | None:
+    """The context :func:`nnx_context` holds now, or ``None`` outside one."""
+    return _NNX_CONTEXT.get()
+
+
 @contextlib.contextmanager
 def nnx_context(ctx: BatchNormContext):
     """While active, the layers :func:`swap_nnx_batchnorms` adapted use ``ctx``."""

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 from trjax.batchnorm import (BatchNorm, BatchNormContext, fold_batchnorm_tree, linen_interceptor,
                              nnx_context, swap_nnx_batchnorms)
+from trjax import remat as remat_lib
 from trjax.cpu.im2col import Im2colConv, resolve_conv_lowering
 
 
@@ -538,6 +539,8 @@ class Network:
         interceptor) and ``nnx(model)`` (swaps a merged nnx model's layers in
         place); the tensor plan (:class:`trjax.parallel.tensor.Plan`: Megatron's
         split, inside ``shard_map`` on the parameter slices) is one.
+      remat: the modules whose activations the training backward recomputes
+        (:class:`trjax.remat.Remat`, same two methods), or ``None``.
     """
     module: Any
     kind: str = "linen"
@@ -551,18 +554,27 @@ class Network:
     call_rngs: Optional[str] = None
     bn_momentum: Optional[float] = None
     layer_plan: Any = None
+    remat: Any = None
 
-    def _split(self):
-        """The layer plan's linen interception (a null context without one)."""
-        if self.layer_plan is None:
-            return contextlib.nullcontext()
-        return nn.intercept_methods(self.layer_plan.linen())
+    def _plans(self, train: bool) -> list:
+        return [p for p in (self.layer_plan, self.remat if train else None) if p is not None]
 
-    def _merge(self, params, batch_stats, rng):
-        """The nnx model for one trace, with the layer plan's layers swapped in."""
+    def _split(self, train: bool = False):
+        """The linen interception of the layer plan (and in training of the remat), a
+        null context without either."""
+        stack = contextlib.ExitStack()
+        for plan in self._plans(train):
+            stack.enter_context(nn.intercept_methods(plan.linen()))
+        return stack
+
+    def _merge(self, params, batch_stats, rng, ctx: Optional[BatchNormContext] = None):
+        """The nnx model for one trace, with the layer plan's layers swapped in; in
+        training (``ctx``: its BatchNorms adapted first) the remat's too."""
         model = self.nnx.merge(params, batch_stats, rng)
-        if self.layer_plan is not None:
-            self.layer_plan.nnx(model)
+        if ctx is not None:
+            swap_nnx_batchnorms(model, ctx)
+        for plan in self._plans(ctx is not None):
+            plan.nnx(model)
         return model
 
     def _flag(self, train: bool) -> dict:
@@ -610,14 +622,13 @@ class Network:
           ``{}`` without BatchNorm), see :mod:`trjax.batchnorm`.
         """
         if self.kind == "nnx":
-            model = self._merge(params, batch_stats, rng)
-            swap_nnx_batchnorms(model, ctx)
+            model = self._merge(params, batch_stats, rng, ctx)
             model.train()
             with nnx_context(ctx):
                 logits = logits_of(model(x, **self._flag(True), **self._rngs(rng, True)))
             sums = _nest(ctx.sums, "sums")
         else:
-            with nn.intercept_methods(linen_interceptor(ctx)), self._split():
+            with nn.intercept_methods(linen_interceptor(ctx)), self._split(train=True):
                 out, new = self.module.apply(
                     {"params": params, "batch_stats": batch_stats}, x, **self._flag(True),
                     rngs=_linen_rngs(rng), mutable=["batch_stats", "bn_sums"])
@@ -713,8 +724,7 @@ class NNXSequence:
         from flax import nnx
         lo, hi = self.span if self.span is not None else (0, len(self.layers))
         tp, ts = (nnx.to_pure_dict(t) for t in self.net.nnx.templates[:2])
-        model = self.net._merge(_complete(params, tp), _complete(batch_stats, ts), rng)
-        swap_nnx_batchnorms(model, ctx)
+        model = self.net._merge(_complete(params, tp), _complete(batch_stats, ts), rng, ctx)
         model.train()
         rngs = self.net._rngs(rng, True).get("rngs")
         with nnx_context(ctx):
@@ -888,7 +898,8 @@ def warn_slow_statistics(momenta: dict, total_steps: int) -> None:
 
 def wrap(model, *, image_shape: tuple, num_classes: int, mean=None, std=None,
          dtype=jnp.float32, seed: int = 0, bn_momentum: Optional[float] = None,
-         check: bool = True) -> Network:
+         check: bool = True, remat: str = "none",
+         remat_policy: str = "nothing_saveable") -> Network:
     """The :class:`Network` the trainer trains: ``model`` with the data set's
     input statistics, the compute dtype and the dropout seed.
 
@@ -904,11 +915,14 @@ def wrap(model, *, image_shape: tuple, num_classes: int, mean=None, std=None,
       bn_momentum: every BatchNorm's running momentum, the model's own
         layers' included (``config.bn_momentum``), or ``None`` (each keeps its own).
       check: run :func:`check_output` (abstract shapes only).
+      remat, remat_policy: the modules the training backward recomputes and what
+        they keep (``config.remat``, ``config.remat_policy``: :mod:`trjax.remat`).
 
     Raises:
       TypeError: a model that is neither linen nor nnx (:func:`as_network`).
       ValueError: a model with the wrong output (:func:`check_output`) or
-        state trjax does not train.
+        state trjax does not train; a remat pattern that matches no module
+        (:func:`trjax.remat.resolve`).
     """
     net = as_network(model)
     net = dataclasses.replace(net, mean=None if mean is None else tuple(mean),
@@ -916,4 +930,5 @@ def wrap(model, *, image_shape: tuple, num_classes: int, mean=None, std=None,
                               bn_momentum=None if bn_momentum is None else float(bn_momentum))
     if check:
         check_output(net, image_shape, num_classes, dtype)
-    return net
+    return dataclasses.replace(net, remat=remat_lib.resolve(net, remat, image_shape,
+                                                            remat_policy))

@@ -82,7 +82,12 @@ def parse_args(argv=None, description: str = "") -> argparse.Namespace:
                    help="data / pipeline / tensor parallel meshes side by side on the same "
                         "devices (default ResNet-50 at 224, global batch 8, 8 CPU devices)")
     p.add_argument("--meshes", default="data:8;data:2,fsdp:4;fsdp:8;data:2,stage:4;data:4,model:2",
-                   help="--parallel: ';'-separated config.mesh values")
+                   help="--parallel: ';'-separated config.mesh values, each optionally followed "
+                        "by options: 'data:8 remat:blocks', 'data:2,stage:4 schedule:zb-h1 M:8' "
+                        "(accum, remat, policy, schedule, M)")
+    p.add_argument("--memory_per_device", default="",
+                   help="--parallel: a budget per device ('24GiB'): each row gives the largest "
+                        "global batch estimated to fit it")
     p.add_argument("--pipeline_microbatches", type=int, default=4,
                    help="--parallel: micro-batches per step on a 'stage' mesh")
     p.add_argument("--time_to_accuracy", action="store_true",

@@ -1,13 +1,16 @@
 """``--parallel``: data, FSDP, pipeline and tensor parallelism side by side on the same devices.
 
-Per mesh shape (``--meshes``, default ``data:8;data:2,stage:4;data:4,model:2``), one
-trainer is built by ``trjax.train.trainer.setup`` for the same model, image size and
+Per mesh shape (``--meshes``, default ``data:8;data:2,stage:4;data:4,model:2``; options
+may follow a mesh, :data:`OPTIONS`: ``"data:8;data:8 remat:blocks;data:2,stage:4
+schedule:zb-h1 M:8"``), one trainer is built by ``trjax.train.trainer.setup`` for the same model, image size and
 global batch; the train steps are then timed in interleaved rounds
 (:func:`benchmarking.variants.interleave`). Reported per mesh:
 
 * images/s (global batch / median step time);
 * XLA's memory statistics of the compiled train step per device (temp, argument,
-  output bytes; the state donated);
+  output bytes; the state donated) and its peak (argument + output - donated + temp),
+  and with ``--memory_per_device`` the largest global batch estimated to fit that
+  budget (:func:`fitting_batch`);
 * the collectives of the compiled step by mesh axis (:func:`trjax.comm.by_axis`:
   issued per step, loop trip counts included), against the byte models
   (:func:`trjax.comm.data_bytes`, :func:`trjax.comm.pipeline_bytes`);
@@ -31,8 +34,57 @@ import os
 import time
 
 
+OPTIONS = {"accum": ("grad_accumulation_steps", int), "remat": ("remat", str),
+           "policy": ("remat_policy", str), "schedule": ("pipeline_schedule", str),
+           "M": ("pipeline_microbatches", int)}
+"""The options a ``--meshes`` entry may name after its mesh (``key:value``) and the
+config keys they set."""
+
+
 def _mesh_sizes(mesh: str) -> dict:
     return {k: int(v) for k, v in (p.split(":") for p in mesh.split(","))}
+
+
+def split_name(name: str) -> tuple[str, dict]:
+    """``"data:2,stage:4 schedule:zb-h1 M:8"`` -> ``("data:2,stage:4", {config key: value})``.
+
+    Raises:
+      ValueError: an option not in :data:`OPTIONS` or without ``:``, naming it.
+    """
+    mesh, *opts = name.split()
+    out = {}
+    for o in opts:
+        key, sep, value = o.partition(":")
+        if not sep or key not in OPTIONS:
+            raise ValueError(f"--meshes entry {name!r}: option {o!r} is not one of "
+                             f"{[k + ':<value>' for k in OPTIONS]}")
+        out[OPTIONS[key][0]] = OPTIONS[key][1](value)
+    return mesh, out
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GiB"``, ``"512MiB"``, ``"16GB"`` -> bytes.
+
+    Raises:
+      ValueError: a number without a unit (or an unknown one), naming the units.
+    """
+    units = {"KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6,
+             "GB": 10 ** 9}
+    for unit, scale in units.items():
+        if str(text).strip().endswith(unit):
+            return int(float(str(text).strip()[:-len(unit)]) * scale)
+    raise ValueError(f"memory {text!r} needs a unit, one of {list(units)} (e.g. 24GiB)")
+
+
+def fitting_batch(memory: dict, local_batch: int, batch_ranks: int, budget: int) -> int:
+    """The largest global batch whose train step is estimated to fit ``budget`` bytes per
+    device: what does not scale with the batch (arguments and outputs less the donated
+    state) stays, temp scales with the rows per device (activations), in multiples of
+    the batch ranks. An estimate from one compile, 0 when even one row does not fit."""
+    fixed = memory["argument"] + memory["output"] - memory["alias"]
+    per_row = memory["temp"] / max(local_batch, 1)
+    rows = int((budget - fixed) // per_row) if per_row and budget > fixed else 0
+    return max(rows, 0) * batch_ranks
 
 
 def parallel(a) -> dict:
@@ -55,7 +107,9 @@ def parallel(a) -> dict:
         if ref is not None:
             row["vs_reference"] = {"time": row["median_step_s"] / ref["median_step_s"],
                                    "temp": row["memory"].get("temp", 0) /
-                                   max(ref["memory"].get("temp", 0), 1)}
+                                   max(ref["memory"].get("temp", 0), 1),
+                                   "peak": row["memory"].get("peak", 0) /
+                                   max(ref["memory"].get("peak", 0), 1)}
     for v in variants.values():
         v.close()
     out = {"meta": {"model": a.model, "image": list(a.image), "global_batch": a.global_batch,
@@ -63,6 +117,7 @@ def parallel(a) -> dict:
                     "platform": jax.devices()[0].platform, "devices": len(jax.devices()),
                     "cpu_cores": os.cpu_count(), "jax": jax.__version__,
                     "rounds": a.rounds, "steps": a.steps, "warmup": a.warmup,
+                    "memory_per_device": a.memory_per_device,
                     "note": "simulated CPU devices share the host's cores: compute and memory "
                             "figures, not interconnect figures"},
            "results": rows}
@@ -83,20 +138,23 @@ def _with_references(meshes, microbatches):
     the ``data:D`` step (the same rows per data rank), with ``fsdp:F`` the ``data:D·F``
     step (its batch ranks). ``[(name, reference name)]``."""
     out, seen = [], set()
-    for mesh in meshes:
+    for name in meshes:
+        mesh, opts = split_name(name)
         sizes = _mesh_sizes(mesh)
         ranks = sizes.get("data", 1) * sizes.get("fsdp", 1)  # the batch's ranks
         ref = None
-        if "stage" in sizes:
+        if opts and mesh in meshes:  # an option: against the same mesh without it
+            ref = mesh
+        elif "stage" in sizes:
             ref = f"data:{ranks} accum:{microbatches}"
         elif "model" in sizes or "fsdp" in sizes:  # the same rows per batch rank
             ref = f"data:{ranks}"
         if ref is not None and ref not in seen and ref not in meshes:
             out.append((ref, None))
             seen.add(ref)
-        if mesh not in seen:
-            out.append((mesh, ref))
-            seen.add(mesh)
+        if name not in seen:
+            out.append((name, ref))
+            seen.add(name)
     return out
 
 
@@ -105,17 +163,17 @@ def _build(a, name, reference, data, variants) -> dict:
     from benchmarking.common import make_config
     from benchmarking.variants import JaxVariant
     from trjax import comm
-    mesh, _, accum = name.partition(" accum:")
+    mesh, opts = split_name(name)
     sizes = _mesh_sizes(mesh)
     n = 1
     for v in sizes.values():
         n *= v
     c = make_config(a, n, "two")
     c.mesh = "" if set(sizes) == {"data"} else mesh
-    if accum:
-        c.grad_accumulation_steps = int(accum)
     if "stage" in sizes:
         c.pipeline_microbatches = a.pipeline_microbatches
+    for key, value in opts.items():
+        c[key] = value
     t0 = time.perf_counter()
     v = JaxVariant(name, c, data, memory_compare=False)
     tr = v.tr
@@ -128,6 +186,7 @@ def _build(a, name, reference, data, variants) -> dict:
            "local_batch": tr.world.local_batch_size,
            "build_s": time.perf_counter() - t0, "compile_s": tr.train_step.compile_s,
            "memory": tr.train_step.memory(), "by_axis": per_axis,
+           "layout": tr.layout.describe(),
            "model_bytes": {"data": comm.data_bytes(tr.plan.gradient_bytes, n_grad),
                            "data_N": n_grad}}
     fsdp = tr.layout.details.get("fsdp_traffic_bytes")
@@ -145,8 +204,13 @@ def _build(a, name, reference, data, variants) -> dict:
         traffic = tr.layout.point_to_point(2 if c.precision in ("bf16", "fp16") else 4)
         row["model_bytes"].update(stage_useful=traffic["useful_bytes"],
                                   stage_issued=traffic["issued_bytes"])
+    if a.memory_per_device and row["memory"]:
+        row["fits_global_batch"] = fitting_batch(row["memory"], tr.world.local_batch_size,
+                                                 tr.world.data_size,
+                                                 parse_bytes(a.memory_per_device))
     print(f"  {name}: built in {row['build_s']:.1f} s; temp "
-          f"{row['memory'].get('temp', 0) / 2**20:.1f} MiB/device", flush=True)
+          f"{row['memory'].get('temp', 0) / 2**20:.1f} MiB/device, peak "
+          f"{row['memory'].get('peak', 0) / 2**20:.1f} MiB/device", flush=True)
     variants[name] = v
     return row
 
@@ -157,9 +221,11 @@ def markdown(out: dict) -> str:
     lines = [f"{m['model']} {tuple(m['image'])} global batch {m['global_batch']} {m['precision']}, "
              f"{m['devices']} {m['platform']} devices ({m['cpu_cores']} cores), jax {m['jax']}; "
              f"{m['rounds']} rounds x {m['steps']} steps. {m['note']}.", "",
-             "| run | local batch | images/s | s/step | temp MiB/dev | argument MiB/dev | "
-             "output MiB/dev | vs reference: time, temp | bubble (S-1)/(M+S-1); (M+S-1)/M | "
-             "bytes/step by axis (issued) | model |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| run | local batch | images/s | s/step | peak MiB/dev | temp MiB/dev | "
+             "argument MiB/dev | output MiB/dev | vs reference: time, temp, peak | "
+             "fits global batch | bubble (S-1)/(M+S-1); (M+S-1)/M | "
+             "bytes/step by axis (issued) | model |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in out["results"]:
         mem, st = r["memory"], r.get("stages")
         axes = "; ".join(f"{k}: {v['count']} x, {v['bytes']} B" for k, v in r["by_axis"].items())
@@ -173,10 +239,12 @@ def markdown(out: dict) -> str:
         bubble = (f"{st['bubble']:.3f}; {st['bubble_time_factor']:.2f} (M={st['microbatches']})"
                   if st else "")
         vs = r.get("vs_reference")
-        overhead = (f"{vs['time']:.2f}x, {vs['temp']:.2f}x ({r['reference']})" if vs else "")
+        overhead = (f"{vs['time']:.2f}x, {vs['temp']:.2f}x, {vs['peak']:.2f}x "
+                    f"({r['reference']})" if vs else "")
+        fits = r.get("fits_global_batch", "")
         lines.append(
             f"| {r['name']} | {r['local_batch']} | {r['images_per_s']:.1f} | "
-            f"{r['median_step_s']:.3f} | {mib(mem.get('temp'))} | "
+            f"{r['median_step_s']:.3f} | {mib(mem.get('peak'))} | {mib(mem.get('temp'))} | "
             f"{mib(mem.get('argument'))} | {mib(mem.get('output'))} | "
-            f"{overhead} | {bubble} | {axes} | {model} |")
+            f"{overhead} | {fits} | {bubble} | {axes} | {model} |")
     return "\n".join(lines) + "\n"

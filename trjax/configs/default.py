@@ -54,6 +54,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.tensor_plan = ""             # a 'model' mesh: "" (a built-in ResNet's own split) or the
     #                                layers to split, "Conv_1=column,Conv_2=row,Dense_0=column"
     #                                (module paths, '*' one component; trjax.parallel.tensor)
+    c.remat = "none"               # activation checkpointing: "none", "blocks" (a ResNet's
+    #                                residual blocks, a Sequential's layers) or module paths,
+    #                                "layers_*,encoder/*Block_*" (trjax.remat)
+    c.remat_policy = "nothing_saveable"  # what a remat block keeps: trjax.remat.POLICIES
     c.global_batch_size = 128
     c.eval_batch_size = 128        # global; must divide by the world size too
     # model

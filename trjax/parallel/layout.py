@@ -155,8 +155,11 @@ class Layout:
         return {"world_size": self.world.world_size} if self.per_replica_stats else {}
 
     def describe(self) -> dict:
-        """What ``summary.json`` records about the layout (:attr:`details`)."""
-        return dict(self.details)
+        """What ``summary.json`` records about the layout (:attr:`details`) and the
+        network's remat (``{"paths": [...], "policy"}``, or ``None``)."""
+        remat = self.network.remat
+        return {**self.details, "remat": None if remat is None else {
+            "paths": sorted("/".join(p) for p in remat.paths), "policy": remat.policy}}
 
     def with_exchange(self, exchange) -> "Layout":
         """This layout with the specs of ``exchange``'s optimizer state where the

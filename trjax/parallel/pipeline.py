@@ -174,7 +174,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     if select is None:
         select = lambda k, p: subtree(p, plan.names(k))  # noqa: E731
     run_stage = stage_runner(stage_modules(net, plan), plan, batch_stats, bn_mode,
-                              data_axis, remat, rules, select, rng, net._split)
+                              data_axis, remat, rules, select, rng,
+                              functools.partial(net._split, train=True))
     lp = make_loop(net, batch, params, run_stage, S, M, bn_mode,
                    flat_axes(data_axis, stage_axis), bubble_fill, loss_scale, mixing, rng)
     branches = [forward_branch(k, run_stage, lp, loss_fn, label_smoothing) for k in range(S)]

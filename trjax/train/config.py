@@ -19,6 +19,7 @@ from typing import Any
 import ml_collections
 
 from trjax import compression, models, optim, parallel
+from trjax import remat as remat_lib
 from trjax.cpu import host, im2col
 from trjax.data import input_pipeline
 from trjax.batchnorm import BN_MODES
@@ -90,6 +91,9 @@ KEYS = {
     "pipeline_stage_starts": Key("str"),  # checked by trjax.parallel.pipeline.plan_stages
     "pipeline_schedule": Key("choice", ("gpipe", "1f1b", "zb-h1")),  # pipeline.SCHEDULES
     "pipeline_remat": Key("bool"),
+    # memory: what the backward recomputes (trjax.remat); values within one step's rounding
+    "remat": Key("str", **_WHERE),  # checked by trjax.remat.parse / resolve
+    "remat_policy": Key("choice", tuple(remat_lib.POLICIES), **_WHERE),
     "tensor_plan": Key("str", **_WHERE),  # checked by trjax.parallel.tensor.parse / resolve
     "global_batch_size": Key("int", 1, **_MATCH),
     "eval_batch_size": Key("int", 1),
@@ -249,6 +253,7 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
                          "in and reads no folder; choose the dataset that folder holds "
                          f"(one of {list(input_pipeline.DATASETS)}) or leave data_dir empty")
     parse_profile_steps(c.profile_steps)
+    remat_lib.parse(c.remat)
     if c.shard_optimizer_state and (c.optimizer not in ("sgd", "adamw") or c.compression != "none"
                                     or c.allreduce != "xla"):  # elementwise optimizers only
         raise ValueError("config.shard_optimizer_state=True (ZeRO-1) needs optimizer='sgd' "

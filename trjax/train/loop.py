@@ -195,10 +195,25 @@ def _announce(tr: Trainer, compiles, say) -> None:
                                 for b, n in plan.bucket_elements.items()) +
         f"; the four steps built in {sum(c.compile_s for c in tr.compiled):.1f}s "
         f"(train step {tr.train_step.compile_s:.1f}s)")
+    say(memory_line(tr))
     say(f"compilation cache: {compilation.cache_dir() or 'off'} (start-up: "
         f"{sum(b.cache == 'hit' for b in compiles.builds)} programs from the cache, "
         f"{sum(b.compiled for b in compiles.builds)} compiled, "
         f"{compiles.cache_summary()['damaged']} damaged entries rewritten)")
+
+
+def memory_line(tr: Trainer) -> str:
+    """The train step's memory per device, XLA's own figures (MiB), and what remat
+    recomputes."""
+    m, mib = tr.train_step.memory(), lambda n: f"{n / 2 ** 20:.1f}"
+    remat = tr.layout.network.remat
+    what = "none" if remat is None else (f"{len(remat.paths)} modules ({remat.policy}), "
+                                         f"config.remat={tr.config.remat!r}")
+    if not m:
+        return f"memory per device: not reported by this platform; remat: {what}"
+    return (f"memory per device (train step, XLA): peak {mib(m['peak'])} MiB = arguments "
+            f"{mib(m['argument'])} + temp {mib(m['temp'])} + outputs {mib(m['output'])} - "
+            f"donated {mib(m['alias'])}; remat: {what}")
 
 
 class Run:

@@ -187,7 +187,8 @@ def _network(config, world, data, model, dtype) -> models.Network:
                                             if builtin and config.zero_init_residual else {}))
     return models.wrap(model, image_shape=data.image_shape, num_classes=data.num_classes,
                        mean=data.mean, std=data.std, dtype=dtype, seed=config.seed,
-                       bn_momentum=config.bn_momentum, check=not builtin)
+                       bn_momentum=config.bn_momentum, check=not builtin,
+                       remat=config.remat, remat_policy=config.remat_policy)
 
 
 def _momentum(bn_momentum, builtin: bool) -> dict:
