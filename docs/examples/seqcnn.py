@@ -49,3 +49,10 @@ def nnxseq(num_classes=10):
         nnx.Conv(32, 64, (3, 3), rngs=r), nnx.BatchNorm(64, rngs=r), nnx.relu,
         nnx.Conv(64, 32, (3, 3), rngs=r), nnx.BatchNorm(32, rngs=r), nnx.relu,
         Pool(), nnx.Linear(32, num_classes, rngs=r))
+
+
+def deep(num_classes=10, blocks=8, features=64):
+    """A deeper sequence of residual blocks (remat's figure for your own model:
+    ``--config.remat='layers_*'``, docs/performance.md)."""
+    return nn.Sequential([nn.Conv(features, (3, 3)), nn.relu,
+                          *[Block(features) for _ in range(blocks)], Head(num_classes)])
