@@ -188,11 +188,20 @@ def test_byte_models():
     # backward (the block input 56x56x256); the ring factor 2(T-1)/T is 1 at T = 2
     tp = comm.tensor_bytes(1, [((56, 56, 64), (56, 56, 256))], 2, 4)
     assert tp == {"forward": 784 * 1024, "backward": 3136 * 1024, "head": 0.0,
-                  "total": 3920 * 1024}
-    tp4 = comm.tensor_bytes(8, [((4, 4, 8), (4, 4, 16))] * 2, 4, 2, num_classes=10)
-    assert tp4["forward"] == 2 * 1.5 * 8 * 128 * 2 and tp4["backward"] == 2 * 1.5 * 8 * 256 * 2
-    assert tp4["head"] == 2 * 0.75 * 8 * 10 * 2  # all-gather fwd + reduce-scatter bwd
-    assert tp4["total"] == tp4["forward"] + tp4["backward"] + tp4["head"]
+                  "total": 3920 * 1024, "g": 784 * 1024, "f": 3136 * 1024, "gather": 0,
+                  "issued": 3920 * 1024}
+    # T = 4, bf16, two pairs and a head over K = 10 classes from 16 features: its logits'
+    # all-gather forward ((T-1)/T of the gathered B*K) and its input's f backward (a ring
+    # all-reduce of B*16); the gather's backward is a slice, no reduce-scatter
+    tp4 = comm.tensor_bytes(8, [((4, 4, 8), (4, 4, 16))] * 2, 4, 2, heads=[((10,), (16,))])
+    assert tp4["g"] == 2 * 8 * 128 * 2 and tp4["gather"] == 8 * 10 * 2
+    assert tp4["f"] == 2 * 8 * 256 * 2 + 8 * 16 * 2
+    assert tp4["forward"] == 1.5 * tp4["g"] + 0.75 * tp4["gather"]
+    assert tp4["backward"] == 1.5 * tp4["f"]
+    assert tp4["head"] == 0.75 * 8 * 10 * 2 + 1.5 * 8 * 16 * 2
+    assert tp4["total"] == tp4["forward"] + tp4["backward"] == \
+        comm.tensor_sent(tp4["g"], tp4["f"], tp4["gather"], 4)
+    assert tp4["issued"] == tp4["g"] + tp4["f"] + tp4["gather"]
     assert comm.data_bytes(1000, 4) == comm.ring_traffic_bytes(1000, 4) == 1500.0
     assert comm.data_bytes(1000, 1) == 0.0
 

@@ -73,6 +73,33 @@ def _assert_step_equal(tr, ref):
     return worst
 
 
+def assert_axis_bytes_are_the_models(tr):
+    """Issue 53, kind 3: over ``stage`` and ``model`` the compiled train step's bytes
+    (comm.by_axis: each collective's result bytes times its loop's trip count, every
+    switch branch once) are the layout's byte models, exactly. ``stage``: the boundary
+    permutes and the stage-owned all-to-alls (pipeline.boundary_traffic), plus the BN
+    sums where sync mode reduces them over ``stage`` alone (the plan's stat-sums size).
+    ``model``: Megatron's g, f and the head's all-gather (pipeline.tensor_traffic or
+    tensor.traffic), and what a ring sends for them. The one-element all-reduce (the
+    non-finite flag over the split axes, test_a_non_finite_slice...) is no model's and is
+    left out. Returns ``{axis: (model, measured)}``."""
+    cols = [c for c in comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
+            if not (c["kind"] == "all-reduce" and c["elements"] == 1)]
+    rows, lay, out = comm.by_axis(cols, tr.world.mesh), tr.layout, {}
+    if lay.point_to_point is not None:
+        p = lay.point_to_point(4)
+        bn = 4 * tr.plan.stat_sums_elements if lay.bn_reduce_axes == "stage" else 0
+        out["stage"] = (p["issued_bytes"] + p["exchange_bytes"] + bn, rows["stage"]["bytes"])
+        assert out["stage"][0] == out["stage"][1], (p, bn, out["stage"])
+    if lay.tensor_traffic is not None:
+        t = lay.tensor_traffic(4)
+        out["model"] = (t["issued"], rows["model"]["bytes"])
+        assert out["model"][0] == out["model"][1], (t, out["model"])
+        assert t["total"] == pytest.approx(rows["model"]["sent_bytes"], rel=1e-12), t
+    print(f"{tr.world.mesh_spec} {tr.config.pipeline_schedule}: model vs HLO bytes {out}")
+    return out
+
+
 @pytest.mark.parametrize("bn_mode", ["running", "sync"])
 def test_fsdp_over_tensor_parallel_equals_data_parallel(bn_mode, trainers):
     """ResNet-8 on data:2,fsdp:2,model:2: each device holds an fsdp shard of its model
@@ -88,8 +115,10 @@ def test_fsdp_over_tensor_parallel_equals_data_parallel(bn_mode, trainers):
     # issue 53 kind 3: the fsdp byte model of the model slices is what the program sends
     cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
     model = tr.layout.details["fsdp_traffic_bytes"]
-    assert comm.by_axis(cols, tr.world.mesh)["fsdp"]["bytes"] == \
-        model["all_gather"] + model["reduce_scatter"]
+    fsdp = comm.by_axis(cols, tr.world.mesh)["fsdp"]
+    assert fsdp["bytes"] == model["all_gather"] + model["reduce_scatter"]
+    assert fsdp["sent_bytes"] == pytest.approx(model["ring"], rel=1e-12)
+    assert_axis_bytes_are_the_models(tr)  # and tensor parallelism's over model
 
 
 @pytest.mark.parametrize("schedule,bn_mode", [("gpipe", "running"), ("1f1b", "sync")])
@@ -101,6 +130,7 @@ def test_pipeline_over_tensor_parallel_equals_accumulation(schedule, bn_mode, tr
     assert tr.layout.kind == "pipeline+tensor"
     worst = _assert_step_equal(tr, trainers("data:2", bn_mode=bn_mode, grad_accumulation_steps=4))
     print(f"data:2,stage:2,model:2 {schedule} {bn_mode}: worst leaf / bound {worst:.3g}")
+    assert_axis_bytes_are_the_models(tr)
 
 
 def test_your_own_sequential_on_stage_and_model_axes(trainers):
@@ -113,6 +143,8 @@ def test_your_own_sequential_on_stage_and_model_axes(trainers):
     ref = trainers("data:2", linen_sequential, bn_mode="running", grad_accumulation_steps=2)
     worst = _assert_step_equal(tr, ref)
     print(f"nn.Sequential on data:2,stage:2,model:2: worst leaf / bound {worst:.3g}")
+    # a split pair leads stage 1 (layers_3): its f only where the stage input's cotangent is
+    assert_axis_bytes_are_the_models(tr)
 
 
 def test_the_collectives_of_a_3d_mesh_by_axis_and_trip_count(trainers):
@@ -155,8 +187,10 @@ def test_fsdp_over_the_pipeline_equals_accumulation(mesh, schedule, bn_mode, tra
     cols = [c for c in comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
             if c["kind"] in ("all-gather", "reduce-scatter")]
     model = tr.layout.details["fsdp_traffic_bytes"]
-    assert comm.by_axis(cols, tr.world.mesh)["fsdp"]["bytes"] == \
-        model["all_gather"] + model["reduce_scatter"]
+    fsdp = comm.by_axis(cols, tr.world.mesh)["fsdp"]
+    assert fsdp["bytes"] == model["all_gather"] + model["reduce_scatter"]
+    assert fsdp["sent_bytes"] == pytest.approx(model["ring"], rel=1e-12)
+    assert_axis_bytes_are_the_models(tr)  # stage (and model) under fsdp
 
 
 @pytest.mark.parametrize("overrides,needle", [
@@ -217,6 +251,8 @@ def test_a_non_finite_slice_skips_the_update_on_every_device(mesh, axis, trainer
              for c in comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
              if c["kind"] == "all-reduce" and 1 in [o["elements"] for o in c["operands"]]]
     assert (lay.split_axes if len(lay.split_axes) > 1 else lay.split_axes[0]) in flags, flags
+    if mesh == "data:4,model:2":  # the others' byte models are pinned above
+        assert_axis_bytes_are_the_models(tr)
 
     def local(state, batch):
         grads, sums, bn_sums, rules = lay.forward_backward(

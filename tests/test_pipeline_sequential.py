@@ -123,7 +123,7 @@ def test_an_nnx_sequential_pipelined_step_equals_gradient_accumulation():
     the model from its own layers, so BatchNorm paths and dropout streams are the whole
     model's; one step within the bound, the evaluation's sums equal. The same model without
     dropout gives another loss (the masks reached the pipeline)."""
-    from test_compose import _assert_step_equal, _config
+    from test_compose import _assert_step_equal, _config, assert_axis_bytes_are_the_models
     from test_tensor_plan import nnx_sequential
     from trjax.data import input_pipeline as ip
     data = ip.load_digits()
@@ -135,6 +135,7 @@ def test_an_nnx_sequential_pipelined_step_equals_gradient_accumulation():
                        model=nnx_sequential())
     worst = _assert_step_equal(pp, dp)
     print(f"nnx.Sequential on data:2,stage:4: worst leaf / bound {worst:.3g}")
+    assert_axis_bytes_are_the_models(pp)  # S = 4: three boundaries, the all-to-alls
     quiet = nnx_sequential()
     quiet.layers[9].rate = 0.0
     nd = trainer.setup(_config("data:2", bn_mode="running", grad_accumulation_steps=4), data,

@@ -416,16 +416,38 @@ def axis_of(collective: dict, mesh) -> str | tuple[str, ...] | None:
     return _axes_value(names, axes)
 
 
+def sent_bytes(collective: dict, mesh_size: int) -> float:
+    """Bytes one device sends for one issue of a compiled collective under the
+    bandwidth-optimal (ring) algorithms, from its result bytes ``b``
+    (:func:`collectives_in_hlo`'s ``"bytes"``) over groups of ``n`` devices:
+    all-reduce ``2 (n-1)/n * b`` (:func:`ring_traffic_bytes`); all-gather and
+    all-to-all ``(n-1)/n * b`` (every chunk but its own); reduce-scatter
+    ``(n-1) * b`` (its input is ``n * b``); collective-permute ``b`` (what a
+    source sends). ``n`` is the first group's size (``replica_groups={}``:
+    ``mesh_size``)."""
+    b, kind = collective["bytes"], collective["kind"]
+    if kind == "collective-permute" or collective.get("groups") is None:
+        return float(b)
+    n = len(collective["groups"][0]) if collective["groups"] else mesh_size
+    if kind == "all-reduce":
+        return ring_traffic_bytes(b, n)
+    if kind == "reduce-scatter":
+        return float((n - 1) * b)
+    return (n - 1) / n * b
+
+
 def by_axis(collectives: list[dict], mesh) -> dict:
     """Collectives grouped by :func:`axis_of`, with what one step issues.
 
-    Returns ``{axis: {"count", "bytes", "collectives"}}`` (axis as
+    Returns ``{axis: {"count", "bytes", "sent_bytes", "collectives"}}`` (axis as
     :func:`axis_of` gives it, None for unattributed ones): ``count`` the number
     issued per execution (each collective times its ``trip_count``),
     ``bytes`` the sum of its result bytes (``"bytes"`` of
     :func:`collectives_in_hlo`: the local buffer on one device; an all-gather's
     gathered, a reduce-scatter's scattered result) times ``trip_count``, per
-    device program; ``collectives`` the list in :func:`collectives_in_hlo`'s
+    device program; ``sent_bytes`` the same with each collective's
+    :func:`sent_bytes` (what a ring sends) instead of its result bytes;
+    ``collectives`` the list in :func:`collectives_in_hlo`'s
     order. A collective with an unknown ``trip_count`` counts once and is
     flagged in ``"unknown_trip_counts"`` (the number of them).
 
@@ -438,14 +460,16 @@ def by_axis(collectives: list[dict], mesh) -> dict:
     branches, while one device runs only its own stage's.
     """
     out: dict = {}
+    size = math.prod(mesh.devices.shape)
     for c in collectives:
-        row = out.setdefault(axis_of(c, mesh), {"count": 0, "bytes": 0, "collectives": [],
-                                                "unknown_trip_counts": 0})
+        row = out.setdefault(axis_of(c, mesh), {"count": 0, "bytes": 0, "sent_bytes": 0.0,
+                                                "collectives": [], "unknown_trip_counts": 0})
         trip = c.get("trip_count")
         row["unknown_trip_counts"] += trip is None
         trip = 1 if trip is None else trip
         row["count"] += trip
         row["bytes"] += c["bytes"] * trip
+        row["sent_bytes"] += sent_bytes(c, size) * trip
         row["collectives"].append(c)
     return out
 
@@ -475,34 +499,55 @@ def pipeline_bytes(num_microbatches: int, micro_batch: int, boundary_shapes, ite
                for s in boundary_shapes)
 
 
-def tensor_bytes(batch: int, pairs, num_ranks: int, itemsize: int,
-                 num_classes: int = 0) -> dict:
-    """Bytes one tensor-parallel rank sends per step (Megatron, in shard_map).
+def tensor_bytes(batch: int, pairs, num_ranks: int, itemsize: int, heads=()) -> dict:
+    """Bytes of one tensor-parallel rank's collectives in one forward and backward
+    of ``batch`` rows (Megatron in shard_map, :mod:`trjax.parallel.mappings`).
 
     Per column->row pair (Shoeybi et al. 2019, ``megatron/core/tensor_parallel/
-    mappings.py``): the forward all-reduce g of the row-parallel output,
-    ``B*H*W*C_b`` elements, and the backward all-reduce f of the column-parallel
-    input's cotangent, ``B*H*W*C_a``, each a ring all-reduce
-    (``2 (T-1)/T * bytes``, :func:`ring_traffic_bytes`). A column-parallel head
-    over K classes adds an all-gather of the logits forward and its transpose,
-    a reduce-scatter, backward: ``(T-1)/T * B*K*itemsize`` each.
+    mappings.py``): the forward all-reduce ``g`` of the row-parallel output,
+    ``B*|o|`` elements, and the backward all-reduce ``f`` of the column-parallel
+    input's cotangent, ``B*|i|``. Per head (a column layer no row layer follows,
+    e.g. the classifier): the forward all-gather of its output, ``B*|y|``
+    elements gathered, and the backward ``f`` of its input's cotangent,
+    ``B*|x|``; the gather's backward is this rank's slice of the cotangent, no
+    collective (so no reduce-scatter).
+
+    In result bytes (what :func:`by_axis` counts: an all-reduce's buffer, an
+    all-gather's gathered result): ``g = sum B|o|``, ``f = sum B|i| + sum B|x|``,
+    ``gather = sum B|y|`` (times ``itemsize``). What a ring sends
+    (:func:`sent_bytes`): ``2 (T-1)/T * (g + f) + (T-1)/T * gather``.
 
     Args:
-      batch: B, rows per tensor-parallel group (the local batch of a data rank).
+      batch: B, rows per tensor-parallel group and pass (the local batch of a
+        data rank; a pipeline's micro-batch).
       pairs: per pair ``(out_shape, in_shape)``, one example's shapes
         ``(H, W, C_b)`` of the row-parallel output and ``(H, W, C_a)`` of the
         column-parallel input.
       num_ranks: T, the model axis size.
       itemsize: bytes per activation element.
-      num_classes: K of a column-parallel head; 0 for none.
+      heads: per head ``(out_shape, in_shape)`` of one example (a classifier:
+        ``((K,), (C,))``).
 
     Returns:
-      ``{"forward", "backward", "head", "total"}`` in bytes (floats).
+      ring bytes ``{"forward": 2(T-1)/T g + (T-1)/T gather, "backward":
+      2(T-1)/T f, "head": the heads' part of both, "total"}`` (floats) and result
+      bytes ``{"g", "f", "gather", "issued": g + f + gather}`` (ints).
     """
-    fwd = sum(ring_traffic_bytes(batch * math.prod(o) * itemsize, num_ranks) for o, _ in pairs)
-    bwd = sum(ring_traffic_bytes(batch * math.prod(i) * itemsize, num_ranks) for _, i in pairs)
-    head = 2.0 * (num_ranks - 1) / num_ranks * batch * num_classes * itemsize
-    return {"forward": fwd, "backward": bwd, "head": head, "total": fwd + bwd + head}
+    per = lambda shapes: sum(batch * math.prod(s) * itemsize for s in shapes)  # noqa: E731
+    g, f_pairs = per(o for o, _ in pairs), per(i for _, i in pairs)
+    gather, f_heads = per(y for y, _ in heads), per(x for _, x in heads)
+    fwd = tensor_sent(g, 0, gather, num_ranks)
+    bwd = tensor_sent(0, f_pairs + f_heads, 0, num_ranks)
+    return {"forward": fwd, "backward": bwd, "head": tensor_sent(0, f_heads, gather, num_ranks),
+            "total": fwd + bwd, "g": g, "f": f_pairs + f_heads, "gather": gather,
+            "issued": g + f_pairs + f_heads + gather}
+
+
+def tensor_sent(g: float, f: float, gather: float, num_ranks: int) -> float:
+    """What a ring sends for Megatron's collectives of ``g`` + ``f`` all-reduced and
+    ``gather`` all-gathered result bytes over T = ``num_ranks``:
+    ``2 (T-1)/T (g + f) + (T-1)/T gather`` (:func:`tensor_bytes`)."""
+    return ring_traffic_bytes(g + f, num_ranks) + (num_ranks - 1) / num_ranks * gather
 
 
 def data_bytes(grad_bytes: int, num_ranks: int) -> float:

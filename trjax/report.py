@@ -54,9 +54,11 @@ def comm_report(tr) -> dict:
                                      "N": n_grad}
     if "fsdp_traffic_bytes" in tr.layout.details:  # issued result bytes over fsdp
         out["traffic_per_rank_bytes"]["fsdp"] = tr.layout.details["fsdp_traffic_bytes"]
+    itemsize = 2 if tr.config.precision in ("bf16", "fp16") else 4
     if tr.layout.point_to_point is not None:
-        itemsize = 2 if tr.config.precision in ("bf16", "fp16") else 4
         out["traffic_per_rank_bytes"]["pipeline"] = tr.layout.point_to_point(itemsize)
+    if tr.layout.tensor_traffic is not None:  # issued result bytes over model, and a ring's
+        out["traffic_per_rank_bytes"]["tensor"] = tr.layout.tensor_traffic(itemsize)
     out["cost_model"] = {
         alg: [{"bucket": b, **allreduce.cost_model(alg, plan.bucket_bytes(b), n)}
               for b in plan.bucket_elements]
@@ -109,7 +111,14 @@ def format_report(r: dict) -> str:
         p = t["pipeline"]
         lines.append(f"pipeline model: {p['formula']} = {p['useful_bytes']} B per step "
                      f"(M={p['microbatches']}, mu={p['micro_batch']}, boundaries "
-                     f"{p['boundary_shapes']}); the loop issues {p['issued_bytes']} B")
+                     f"{p['boundary_shapes']}); the loop issues {p['issued_bytes']} B "
+                     f"({p['schedule']}, {p['ticks']} ticks), the stage-owned all-to-alls "
+                     f"{p['exchange_bytes']} B")
+    if "tensor" in t:
+        m = t["tensor"]
+        lines.append(f"tensor model: g {m['g']} + f {m['f']} + all-gather {m['gather']} = "
+                     f"{m['issued']} B issued per step, a ring sends {m['total']:.0f} B "
+                     f"(T={m['T']})")
     return "\n".join(lines)
 
 

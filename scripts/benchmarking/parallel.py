@@ -193,6 +193,9 @@ def _build(a, name, reference, data, variants) -> dict:
     if fsdp is not None:  # issued result bytes over fsdp, as comm.by_axis counts them
         row["model_bytes"].update(fsdp=fsdp["all_gather"] + fsdp["reduce_scatter"],
                                   fsdp_ring=fsdp["ring"])
+    if tr.layout.tensor_traffic is not None:  # issued result bytes over model
+        row["model_bytes"]["model"] = tr.layout.tensor_traffic(
+            2 if c.precision in ("bf16", "fp16") else 4)["issued"]
     if tr.layout.point_to_point is not None:  # a pipeline
         shares, M = tr.layout.details["pipeline_stage_shares"], tr.layout.details[
             "pipeline_microbatches"]
@@ -233,6 +236,8 @@ def markdown(out: dict) -> str:
         if "fsdp" in r["model_bytes"]:
             model += (f"; fsdp all-gather + reduce-scatter = {r['model_bytes']['fsdp']} B "
                       f"(ring {r['model_bytes']['fsdp_ring']:.0f} B)")
+        if "model" in r["model_bytes"]:
+            model += f"; model g + f + all-gather = {r['model_bytes']['model']} B"
         if st:
             model += (f"; stage 2 M mu \\|a\\| = {r['model_bytes']['stage_useful']} B useful, "
                       f"{r['model_bytes']['stage_issued']} B issued")

@@ -66,8 +66,12 @@ class Layout:
       details: what ``summary.json`` records about the layout (the pipeline's
         micro-batches and stage shares).
       line: the start-up line that describes it (``""``: none).
-      point_to_point: ``(itemsize) -> dict``: the pipeline's point-to-point
-        traffic model for the communication report, or ``None``.
+      point_to_point: ``(itemsize) -> dict``: the pipeline's traffic model over
+        ``stage`` for the communication report
+        (:func:`trjax.parallel.pipeline.boundary_traffic`), or ``None``.
+      tensor_traffic: ``(itemsize) -> dict``: the byte model of the collectives over
+        ``model`` (:func:`trjax.parallel.tensor.traffic`; on a pipeline
+        :func:`trjax.parallel.pipeline.tensor_traffic`), or ``None``.
       collective_labels: ``{axis: {collective kind: label}}``: what a collective
         over a model-parallel axis carries (the report's labels of collectives
         the plan's sizes do not name).
@@ -101,6 +105,7 @@ class Layout:
     details: dict = dataclasses.field(default_factory=dict)
     line: str = ""
     point_to_point: Callable | None = None
+    tensor_traffic: Callable | None = None
     collective_labels: dict = dataclasses.field(default_factory=dict)
     gather: Callable = lambda params: params
     split_axes: tuple = ()

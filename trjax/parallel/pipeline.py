@@ -85,7 +85,7 @@ from trjax.objective import StepOptions
 from trjax.parallel.layout import Layout, check_bn_mode
 from trjax.parallel.schedules import SCHEDULES, forward_branch, loss_sum, make_loop
 from trjax.parallel.shards import combined_specs, flat_axes, gather, local_shapes, shard_dims
-from trjax.parallel.stage_owned import StageRows, subtree
+from trjax.parallel.stage_owned import StageRows, subtree, unit_path
 # re-exported: the stage split is the pipeline's (trjax.parallel.stages)
 from trjax.parallel.stages import (MIN_BN_ROWS, SEQUENCES, SPLITTABLE, StagePlan,  # noqa: F401
                                    balanced_split, bn_rows, check_pipeline,
@@ -262,26 +262,116 @@ def _forward_backward(network, stages: StagePlan, num_microbatches: int, bn_mode
     return grads, sums, bn_sums, rules
 
 
+def schedule_ticks(schedule: str, num_stages: int, num_microbatches: int) -> int:
+    """The tick loop's trip count: GPipe ``M + S - 1`` (its transposed loop as many),
+    1F1B ``M + 2S - 2``, ZB-H1 its table's length
+    (:func:`trjax.parallel.zero_bubble.table`)."""
+    S, M = num_stages, num_microbatches
+    if schedule == "gpipe":
+        return M + S - 1
+    if schedule == "1f1b":
+        return M + 2 * S - 2
+    from trjax.parallel import zero_bubble  # noqa: PLC0415
+    return zero_bubble.ticks(S, M)["ticks"]
+
+
 def boundary_traffic(module, image_shape, stages: StagePlan, num_microbatches: int,
-                     local_batch: int, itemsize: int) -> dict:
-    """The GPipe point-to-point model of one step (:func:`trjax.comm.pipeline_bytes`'s
-    formula ``sum_b 2 M mu |a_b|``): useful bytes per data replica's pipeline, and
-    what the loop issues (M + S - 1 permutes per boundary and direction).
+                     local_batch: int, itemsize: int, schedule: str = "gpipe",
+                     rows: StageRows | None = None) -> dict:
+    """The pipeline's byte model over ``stage`` for one step, per device program.
+
+    * ``useful_bytes`` = :func:`trjax.comm.pipeline_bytes` ``sum_b 2 M mu |a_b|``
+      (per data replica's pipeline);
+    * ``issued_bytes`` = ``sum_b 2 T mu |a_b|``: every schedule permutes each boundary
+      once per direction and tick, T = :func:`schedule_ticks` (GPipe's forward loop
+      and its transpose, 1F1B's and ZB-H1's one loop; bubble and idle slots send
+      zeros), as :func:`trjax.comm.by_axis` counts the compiled permutes;
+    * ``exchange_bytes``: the stage-owned parameters' two all-to-alls
+      (:meth:`trjax.parallel.stage_owned.StageRows.exchange_bytes`, float32), 0
+      without ``rows``.
+
+    The ``stage`` axis of the compiled step also carries the BN sums where the
+    layout reduces them over ``stage`` alone (``sync`` mode) and the non-finite
+    flag where ``stage`` is the one split axis.
 
     Args:
       module: the :class:`trjax.models.ResNet`; image_shape: ``(H, W, C)``.
       stages: the split; num_microbatches: M; local_batch: rows per data rank.
       itemsize: bytes per activation element (2 for bf16 / fp16, 4 for fp32).
+      schedule: ``gpipe``, ``1f1b`` or ``zb-h1``; rows: the layout's :class:`StageRows`.
     """
     module = models.splittable(module)
     blocks = module.blocks_info(image_shape) if isinstance(module, models.ResNet) else \
         module.layer_costs(image_shape)
     shapes = [blocks[hi - 1]["out_shape"] for _, hi in stages.bounds[:-1]]
     m, mu = num_microbatches, local_batch // num_microbatches
+    ticks = schedule_ticks(schedule, stages.num_stages, m)
     useful = comm.pipeline_bytes(m, mu, shapes, itemsize)
+    exchange = rows.exchange_bytes() if rows is not None else {"gather": 0, "scatter": 0}
     return {"formula": "sum_b 2 M mu |a_b|", "microbatches": m, "micro_batch": mu,
+            "schedule": schedule, "ticks": ticks,
             "boundary_shapes": [list(x) for x in shapes], "useful_bytes": useful,
-            "issued_bytes": useful * (m + stages.num_stages - 1) // m}
+            "issued_bytes": comm.pipeline_bytes(ticks, mu, shapes, itemsize),
+            "exchange_bytes": exchange["gather"] + exchange["scatter"]}
+
+
+def slot_passes(schedule: str, num_stages: int, k: int, remat: bool) -> tuple:
+    """How many times one tick of the compiled loop issues stage ``k``'s Megatron
+    collectives, per micro-batch's worth: ``(a, r, b, i)`` counts of a forward whose
+    output is used (its ``g`` all-reduces and heads' all-gathers), a recomputed
+    forward (its ``g`` only: an all-gather's backward is a slice, so its recompute
+    is dead code), a backward (the ``f`` all-reduces of
+    :func:`trjax.parallel.tensor.traffic`'s ``f``) and, of those, the backwards that
+    need the stage input's cotangent (its ``f_input`` too: stages ``k > 0``).
+
+    * GPipe: the forward loop's primal; its transpose recomputes (with ``remat``)
+      and runs the backward.
+    * 1F1B: the F slot's primal, and the B slot: ``jax.vjp`` of the stage, whose
+      checkpointed (``remat``) call is recomputed for the backward. Its primal
+      output is dead code except on the last stage, where the loss inside the
+      ``vjp`` needs the logits (so the last stage's forward runs twice in B).
+    * ZB-H1: the F slot, and the B slot (input cotangent; stage 0 has none) and W
+      slot (parameters only: no input cotangent), each recomputing as 1F1B's B.
+
+    Every branch of the tick's ``lax.switch`` counts once per tick, as
+    :func:`trjax.comm.by_axis` counts them.
+    """
+    live = (not remat) or k == num_stages - 1
+    if schedule == "gpipe":
+        return 1, int(remat), 1, int(k > 0)
+    if schedule == "1f1b":
+        return 1 + live, int(remat), 1, int(k > 0)
+    slots = 1 + (k > 0)  # zb-h1: B (k > 0) and W
+    return 1 + slots * live, slots * int(remat), slots, int(k > 0)
+
+
+def tensor_traffic(per_stage, stages: StagePlan, num_microbatches: int, local_batch: int,
+                   schedule: str, remat: bool, itemsize: int) -> dict:
+    """The ``model`` axis' byte model of a pipelined step, summed over the stages
+    (:func:`trjax.comm.by_axis` counts every stage's ``lax.switch`` branch): stage
+    ``k``'s Megatron collectives of one micro-batch (``per_stage``: the tensor
+    layout's :func:`trjax.parallel.tensor.traffic`, ``mu`` rows, its units' layers:
+    ``g_k``, ``f_k``, ``f_input_k``, ``gather_k``) times the ticks T
+    (:func:`schedule_ticks`) times :func:`slot_passes`' ``(a, r, b, i)``:
+    ``g = sum_k T (a + r) g_k``, ``f = sum_k T (b f_k + i f_input_k)``,
+    ``gather = sum_k T a gather_k``; ``issued = g + f + gather``; a ring sends
+    ``total = 2 (T-1)/T (g + f) + (T-1)/T gather`` (T the model axis size)."""
+    S, M = stages.num_stages, num_microbatches
+    ticks, mu = schedule_ticks(schedule, S, M), local_batch // M
+    g = f = gather = 0
+    size = None
+    for k in range(S):
+        units = [tuple(str(x) for x in unit_path(n)) for n in stages.names(k)]
+        t = per_stage(itemsize, batch=mu, units=units)
+        a, r, b, i = slot_passes(schedule, S, k, remat)
+        g += ticks * (a + r) * t["g"]
+        f += ticks * (b * t["f"] + i * t["f_input"])
+        gather += ticks * a * t["gather"]
+        size = t["T"]
+    return {"formula": "sum_k T ((a + r) g_k + b f_k + i f_input_k + a gather_k)", "T": size,
+            "schedule": schedule, "ticks": ticks, "micro_batch": mu, "g": g, "f": f,
+            "gather": gather, "issued": g + f + gather,
+            "total": comm.tensor_sent(g, f, gather, size)}
 
 
 _LABELS = {"collective-permute": "pipeline:boundary activation / cotangent",
@@ -350,7 +440,11 @@ def layout(base: Layout, num_microbatches: int = 0, stages: StagePlan | None = N
         split_axes=(STAGE_AXIS,) + base.split_axes,
         line="; ".join(x for x in (line, base.line) if x),
         point_to_point=functools.partial(boundary_traffic, net, tuple(image_shape), stages, M,
-                                         world.local_batch_size),
+                                         world.local_batch_size, schedule=schedule,
+                                         rows=packing),
+        tensor_traffic=None if base.tensor_traffic is None else functools.partial(
+            tensor_traffic, base.tensor_traffic, stages, M, world.local_batch_size, schedule,
+            remat),
         collective_labels={**base.collective_labels, STAGE_AXIS: _LABELS},
         details={**base.details, "pipeline_microbatches": M,
                  "pipeline_stage_shares": list(stages.shares)})

@@ -101,6 +101,15 @@ class StageRows:
         return cls(treedef, tuple(tuple(x.shape) for _, x in flat), flat_dims, owner, offsets,
                    max(fill + [1]), size)
 
+    def exchange_bytes(self, itemsize: int = 4) -> dict:
+        """The two all-to-alls' result bytes per device and step (float32 leaves):
+        :meth:`gather`'s ``S * R`` elements and :meth:`scatter`'s ``S * (R + w + 4)``
+        (``w`` the whole leaves' elements, 4 the metric sums), as
+        :func:`trjax.comm.by_axis` counts them."""
+        whole = sum(math.prod(self.shapes[i]) for i, d in enumerate(self.dims) if d is None)
+        return {"gather": self.size * self.width * itemsize,
+                "scatter": self.size * (self.width + whole + 4) * itemsize}
+
     def local_shape(self, i: int) -> tuple:
         shape, d = list(self.shapes[i]), self.dims[i]
         if d is not None:

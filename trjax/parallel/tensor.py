@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from trjax import comm
 from trjax.batchnorm import BatchNorm
 from trjax.parallel.layout import Layout, check_bn_mode, data_forward_backward
 from trjax.parallel.mappings import copy_to_model, gather_from_model, reduce_from_model
@@ -138,13 +139,15 @@ def _add_bias(y, bias):
 
 
 def linen_interceptor(roles: Mapping[tuple, str], axis: str = MODEL_AXIS,
-                      size: int = 1, record: list | None = None):
+                      size: int = 1, record: list | None = None, shapes: dict | None = None):
     """A :func:`flax.linen.intercept_methods` interceptor that applies a resolved
     plan (``{module path: role}``, :func:`resolve`) to flax's ``nn.Conv`` /
     ``nn.Dense`` inside ``shard_map`` (``axis`` bound, of ``size`` devices;
     ``channel`` BatchNorms need nothing: their parameters are already local).
     ``record``: a list that gets ``(path, kind, module, input channels)`` of every
-    layer and norm call in call order (:func:`resolve`'s trace)."""
+    layer and norm call in call order (:func:`resolve`'s trace); ``shapes``: a dict
+    that gets ``{path: (input shape, output shape)}`` of every unsplit layer call,
+    the leading (batch) dimension dropped (:func:`split_layers`'s trace)."""
     def intercept(next_fun, args, kwargs, context):
         mod = context.module
         if context.method_name != "__call__" or mod.is_initializing():
@@ -155,7 +158,10 @@ def linen_interceptor(roles: Mapping[tuple, str], axis: str = MODEL_AXIS,
         role = roles.get(path)
         if role in ("column", "head", "row"):
             return _linen_split_call(mod, role, axis, size, args, kwargs)
-        return next_fun(*args, **kwargs)
+        out = next_fun(*args, **kwargs)
+        if shapes is not None and _kind(mod) == "layer":
+            shapes[path] = (tuple(args[0].shape[1:]), tuple(out.shape[1:]))
+        return out
     return intercept
 
 
@@ -174,9 +180,10 @@ def _nnx_split_call(base, self, role: str, axis: str, x, args, kwargs):
 
 
 def swap_nnx_layers(model, roles: Mapping[tuple, str], axis: str = MODEL_AXIS,
-                    record: list | None = None) -> None:
+                    record: list | None = None, shapes: dict | None = None) -> None:
     """:func:`linen_interceptor` for an nnx model: every ``nnx.Conv`` /
-    ``nnx.Linear`` the plan splits (and, with ``record``, every layer and norm)
+    ``nnx.Linear`` the plan splits (and, with ``record`` or ``shapes``, every layer
+    and norm; both as :func:`linen_interceptor` fills them)
     becomes, on this copy of the model (``nnx.merge`` inside the step), a
     subclass whose ``__call__`` applies its role. nnx layers read their kernel's
     shape from the array itself, so the local slices need no clone."""
@@ -186,7 +193,7 @@ def swap_nnx_layers(model, roles: Mapping[tuple, str], axis: str = MODEL_AXIS,
             continue
         key, kind = tuple(str(p) for p in path), _kind(node)
         role = roles.get(key) if kind == "layer" else None
-        if role not in ("column", "head", "row") and record is None:
+        if role not in ("column", "head", "row") and record is None and shapes is None:
             continue
         if kind is None:
             continue
@@ -196,7 +203,10 @@ def swap_nnx_layers(model, roles: Mapping[tuple, str], axis: str = MODEL_AXIS,
             if record is not None:
                 record.append((_key, _kind, self, int(x.shape[-1])))
             if _role is None:
-                return _base(self, x, *args, **kwargs)
+                out = _base(self, x, *args, **kwargs)
+                if shapes is not None and _kind == "layer":
+                    shapes[_key] = (tuple(x.shape[1:]), tuple(out.shape[1:]))
+                return out
             return _nnx_split_call(_base, self, _role, axis, x, args, kwargs)
         node.__class__ = type(type(node).__name__, (type(node),), {"__call__": call})
 
@@ -204,10 +214,11 @@ def swap_nnx_layers(model, roles: Mapping[tuple, str], axis: str = MODEL_AXIS,
 # -- resolving a plan against a model's call order ---------------------------------------------
 
 
-def calls(net, image_shape) -> list[tuple]:
+def calls(net, image_shape, shapes: dict | None = None) -> list[tuple]:
     """Every convolution / dense layer and norm a :class:`trjax.models.Network`
     calls on one ``image_shape`` example, in call order: ``(path, kind, module,
-    input channels)`` (traced abstractly in evaluation mode; nothing runs)."""
+    input channels)`` (traced abstractly in evaluation mode; nothing runs);
+    ``shapes``: a dict that gets each layer's ``(input shape, output shape)``."""
     record: list = []
     x = jax.ShapeDtypeStruct((1,) + tuple(image_shape), jnp.float32)
     variables = net.abstract_variables(image_shape)
@@ -216,9 +227,9 @@ def calls(net, image_shape) -> list[tuple]:
         if net.kind == "nnx":
             model = net.nnx.merge(v["params"], v["batch_stats"], None)
             model.eval()
-            swap_nnx_layers(model, {}, record=record)
+            swap_nnx_layers(model, {}, record=record, shapes=shapes)
             return model(x, **net._flag(False), **net._rngs(None, False))
-        with nn.intercept_methods(linen_interceptor({}, record=record)):
+        with nn.intercept_methods(linen_interceptor({}, record=record, shapes=shapes)):
             return net.module.apply({"params": v["params"], "batch_stats": v["batch_stats"]},
                                     x, **net._flag(False))
     jax.eval_shape(run, variables, x)
@@ -346,6 +357,68 @@ def default_plan(module) -> dict[str, str]:
     return {**plan, "head": "column"}
 
 
+def split_layers(net, image_shape, roles: Mapping[tuple, str]) -> list[tuple]:
+    """What each Megatron collective of a resolved plan carries, per example, in call
+    order: ``("pair", column path, row output shape, column input shape, before)`` (its
+    ``g`` and ``f``) and ``("head", path, output shape, input shape, before)`` (its
+    all-gather and ``f``); shapes without the batch dimension, ``before`` the paths of
+    the layers and norms called before the column layer (:func:`calls`' abstract trace)."""
+    shapes: dict = {}
+    record = calls(net, image_shape, shapes)
+    out, column, seen = [], None, []
+    for path, kind, _, _ in record:
+        role = roles.get(path) if kind == "layer" else None
+        if role == "column":
+            column = (path, tuple(seen))
+        elif role == "row" and column is not None:
+            out.append(("pair", column[0], shapes[path][1], shapes[column[0]][0], column[1]))
+            column = None
+        elif role == "head":
+            out.append(("head", path, shapes[path][1], shapes[path][0], tuple(seen)))
+        seen.append(path)
+    return out
+
+
+def traffic(net, image_shape, roles: Mapping[tuple, str], size: int, local_batch: int,
+            itemsize: int = 4, batch: int | None = None, units=None) -> dict:
+    """The ``model`` axis' byte model of one step (:func:`trjax.comm.tensor_bytes`
+    of the plan's pairs and heads, one forward and backward of ``batch`` rows,
+    default ``local_batch``): result bytes ``g``, ``f``, ``gather``, ``issued``, as
+    :func:`trjax.comm.by_axis` counts the compiled step's collectives over
+    ``model``, and what a ring sends (``total``).
+
+    A backward issues the ``f`` of a split layer only where its input's cotangent
+    reaches a parameter or a cotangent the step needs: ``f`` counts the layers that a
+    Conv/Dense or norm of ``units`` precedes; ``f_input`` the others (the leading
+    split layers, before any parameter: their ``f`` is dead code unless the
+    backward needs its input's cotangent, a pipeline stage's input). The images'
+    cotangent is never needed, so a whole step issues ``g + f + gather``.
+
+    Args:
+      net, image_shape, roles: the network, one example's shape, :func:`resolve`'s roles.
+      size: T; local_batch: rows per data rank; itemsize: bytes per activation element.
+      batch: rows per pass (a pipeline's micro-batch); units: only the layers under
+        these path prefixes (a pipeline stage's units), a pair by its column layer.
+    """
+    inside = lambda p: units is None or any(p[:len(u)] == tuple(u) for u in units)  # noqa: E731
+    layers = [x for x in split_layers(net, image_shape, roles) if inside(x[1])]
+    rows = local_batch if batch is None else batch
+
+    def model(leading: bool) -> dict:
+        mine = [x for x in layers if leading != any(inside(p) for p in x[4])]
+        return comm.tensor_bytes(rows, [(o, i) for kind, _, o, i, _ in mine if kind == "pair"],
+                                 size, itemsize,
+                                 [(o, i) for kind, _, o, i, _ in mine if kind == "head"])
+    out, lead = model(False), model(True)
+    out = {**out, "gather": out["gather"] + lead["gather"], "g": out["g"] + lead["g"]}
+    out.update(f_input=lead["f"], issued=out["g"] + out["f"] + out["gather"],
+               total=comm.tensor_sent(out["g"], out["f"], out["gather"], size))
+    for key in ("forward", "backward", "head"):
+        out.pop(key)
+    return {"formula": "g = sum B|o|, f = sum B|i| (+ heads' B|x|), gather = sum B|y|; "
+                       "ring 2(T-1)/T (g + f) + (T-1)/T gather", "T": size, **out}
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
     """A resolved plan on a ``model`` axis: the :class:`trjax.models.Network`'s
@@ -443,6 +516,8 @@ def layout(base: Layout, plan=None) -> Layout:
         local_shapes=lambda p, s: (local_shapes(p, p_specs, sizes),
                                    local_shapes(s, s_specs, sizes)),
         split_axes=base.split_axes + (MODEL_AXIS,),
+        tensor_traffic=functools.partial(traffic, net, tuple(base.image_shape), roles, T,
+                                         base.world.local_batch_size),
         collective_labels={**base.collective_labels, **labels},
         line=f"tensor parallel: {T}-way over '{MODEL_AXIS}' ({count} layers split"
              + (", by config.tensor_plan)" if plan else ")"))
