@@ -580,10 +580,19 @@ def part_model_parallel(a) -> dict:
         workdir = os.path.join(a.out, f"model_parallel_{kind}")
         shutil.rmtree(workdir, ignore_errors=True)
         t0 = time.perf_counter()
-        _, summary = loop.train_and_evaluate(c, workdir)
+        built = []  # the run's own trainer: its compiled step, not a second setup's
+
+        def setup(*args, **kw):
+            built.append(trainer.setup(*args, **kw))
+            return built[-1]
+        real_setup, loop.setup = loop.setup, setup
+        try:
+            _, summary = loop.train_and_evaluate(c, workdir)
+        finally:
+            loop.setup = real_setup
         with open(os.path.join(workdir, "metrics.jsonl")) as f:
             epochs = [json.loads(line) for line in f if '"epoch"' in line]
-        tr = trainer.setup(c)  # the same programs, from the compilation cache
+        tr = built[-1]
         cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
         axes = None if cols is None else {
             ("+".join(x) if isinstance(x, tuple) else str(x)): v["count"]
