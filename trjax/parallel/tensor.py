@@ -42,7 +42,6 @@ global arrays (:func:`trjax.steps.make_train_step`).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import functools
 from typing import Mapping
 
@@ -53,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from trjax import comm
 from trjax.batchnorm import BatchNorm
+from trjax.remat import matches
 from trjax.parallel.layout import Layout, check_bn_mode, data_forward_backward
 from trjax.parallel.mappings import copy_to_model, gather_from_model, reduce_from_model
 from trjax.parallel.shards import local_shapes, path_keys
@@ -81,12 +81,6 @@ def parse(text) -> dict[str, str]:
                              "'*' for one path component)")
         out[str(pattern)] = role
     return out
-
-
-def _matches(pattern: str, path: tuple) -> bool:
-    parts = pattern.strip("/").split("/")
-    return len(parts) == len(path) and all(
-        fnmatch.fnmatchcase(str(p), q) for p, q in zip(path, parts))
 
 
 def _kind(module) -> str | None:
@@ -278,7 +272,7 @@ def resolve(net, plan, image_shape, size: int, axis: str = MODEL_AXIS) -> dict:
     layers = list(dict.fromkeys(p for p, kind, _, _ in record if kind == "layer"))
     wanted = {}
     for pattern, role in plan.items():
-        hits = [p for p in layers if _matches(pattern, p)]
+        hits = [p for p in layers if matches(pattern, p)]
         if not hits:
             raise ValueError(f"tensor plan: {pattern!r} names no Conv/Dense layer of the model; "
                              f"its layers are {_layer_list(layers)}")
