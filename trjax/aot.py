@@ -254,7 +254,8 @@ def dealias(tree, seen: set | None = None):
     return jax.tree_util.tree_map(one, tree)
 
 
-def compile_step(name: str, fn: Callable, *example_args, donate_argnums=()) -> CompiledStep:
+def compile_step(name: str, fn: Callable, *example_args, donate_argnums=(),
+                 traced=None) -> CompiledStep:
     """Lowers and compiles ``fn`` for the shapes/shardings of ``example_args``.
 
     ``example_args`` may be arrays or ``jax.ShapeDtypeStruct`` with sharding;
@@ -264,11 +265,15 @@ def compile_step(name: str, fn: Callable, *example_args, donate_argnums=()) -> C
     by the lowered program, serves the executable when it holds it.
 
     XLA compiles it with :func:`trjax.cpu.compile_options.step_options` (trjax's
-    XLA:CPU options on CPU devices, XLA's defaults elsewhere).
+    XLA:CPU options on CPU devices, XLA's defaults elsewhere). ``traced``: the
+    ``jax.jit(fn, donate_argnums=...).trace(*abstract(example_args))`` already made
+    (its jaxpr read first, e.g. by the planner), lowered instead of tracing again.
     """
     sig = abstract(example_args)
     t0 = time.perf_counter()
-    lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*sig)
+    if traced is None:
+        traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*sig)
+    lowered = traced.lower()
     compiled = compile_lowered(lowered, step_options(sig))
     step = CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums,
                         lowered.as_text())

@@ -251,6 +251,10 @@ def parse_mesh(spec) -> tuple[tuple[str, int], ...]:
         names the spec and gives a valid example.
     """
     example = 'e.g. "data:2,stage:4"'
+    if isinstance(spec, str) and spec.strip() == "auto":
+        raise ValueError("mesh 'auto' is chosen by the planner before a world is built: "
+                         "trjax.train.train_and_evaluate does it, or call "
+                         "trjax.train.planner.resolve_auto(config, ...) first")
     if isinstance(spec, str):
         items = []
         for item in spec.split(","):

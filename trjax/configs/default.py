@@ -43,7 +43,13 @@ def get_config() -> ml_collections.ConfigDict:
     c.mesh = ""                    # "" (one data axis over every device), or named axes,
     #                                data outermost: "data:2,fsdp:4" (FSDP), "data:2,stage:4"
     #                                (pipeline) or "data:4,model:2" (tensor parallel);
-    #                                docs/parallelism.md
+    #                                "auto": the planner's fastest that fits memory_per_device
+    #                                (trjax.train.planner); docs/parallelism.md
+    c.memory_per_device = ""       # mesh="auto": the budget, e.g. "24GiB" ("" : the device's
+    #                                own limit; a CPU needs one)
+    c.plan_hardware = ""           # mesh="auto": "h100", "h200", "cpu" (calibrated) or a JSON
+    #                                file (trjax.hardware); "": the devices' own
+    c.plan_axes = ""               # mesh="auto": the axes it may use, e.g. "data,fsdp" ("": all)
     c.pipeline_microbatches = 0    # micro-batches per step on a 'stage' mesh (0: up to
     #                                4 x stages, keeping >= 16 rows per BatchNorm)
     c.pipeline_stage_starts = ""   # "" (balanced by MACs) or the blocks that begin stages

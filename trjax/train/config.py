@@ -24,9 +24,10 @@ from trjax.cpu import host, im2col
 from trjax.data import input_pipeline
 from trjax.batchnorm import BN_MODES
 from trjax.exchange import ALLREDUCE_CHOICES
+from trjax.hardware import parse_bytes
 from trjax.plan import BUCKET_POLICIES
 from trjax.precision import PRECISIONS
-from trjax.world import check_batch_split
+from trjax.world import MESH_AXES, check_batch_split
 
 @dataclasses.dataclass(frozen=True)
 class Key:
@@ -85,6 +86,9 @@ KEYS = {
     "conv_lowering": Key("choice", im2col.LOWERINGS, **_WHERE),
     "cpu_reuse_memory": Key("bool", **_WHERE),
     "mesh": Key("str", **_WHERE),  # checked by trjax.world.parse_mesh and trjax.parallel.check_config
+    "memory_per_device": Key("str", **_WHERE),  # mesh="auto": trjax.hardware.parse_bytes
+    "plan_hardware": Key("str", **_WHERE),  # mesh="auto": trjax.hardware.resolve
+    "plan_axes": Key("str", **_WHERE),  # mesh="auto": a subset of trjax.world.MESH_AXES
     # where it runs, like mesh and devices (which set the rows per BN group too): may
     # change on resume; the start-up line prints the M in use
     "pipeline_microbatches": Key("int", 0, **_WHERE, hint=" (0: up to 4 x stages, BatchNorm groups of >= 16 rows)"),
@@ -273,6 +277,17 @@ def validate(config: ml_collections.ConfigDict, world_size: int | None = None) -
         raise ValueError(f"config.compression_start_step={c.compression_start_step!r} needs a "
                          "compression (config.compression='none'); set it to 0 or choose one "
                          f"of {list(compression.COMPRESSORS)}")
+    if str(c.memory_per_device).strip():
+        try:
+            parse_bytes(c.memory_per_device)
+        except ValueError as e:
+            raise ValueError(f"config.memory_per_device: {e}") from None
+    axes = [a.strip() for a in str(c.plan_axes).split(",") if a.strip()]
+    if any(a not in MESH_AXES for a in axes):
+        raise ValueError(f"config.plan_axes={c.plan_axes!r}: the axes are {list(MESH_AXES)}, "
+                         "comma separated (e.g. 'data,fsdp'; '': all)")
+    if str(c.mesh).strip() == "auto":  # trjax.train.planner.resolve_auto picks the mesh
+        return
     parallel.check_config(c, is_import_path(c.model), models.MODELS)
     if world_size is None:
         return

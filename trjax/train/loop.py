@@ -35,7 +35,7 @@ import numpy as np
 
 from trjax.cpu import host
 from trjax.data import input_pipeline
-from trjax.train import checkpoint, compilation, distributed, loop_io, metrics_log, stops
+from trjax.train import checkpoint, compilation, distributed, loop_io, metrics_log, planner, stops
 from trjax.train import init_from as init_from_lib
 from trjax.train.trainer import Trainer, checkpoint_keys, evaluate_pass, prepare, setup
 from trjax.train.workdir import check_writable, holds_workdir
@@ -116,10 +116,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
       trjax.train.workdir.WorkdirBusy: another live run writes into ``workdir``.
     """
     t_start = time.perf_counter()
+    cache = compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
+    config, plan = planner.resolve_auto(  # mesh="auto": the planner's winner
+        config, data, model, tx, loss_fn, transform,
+        say=print if jax.process_index() == 0 else (lambda *a, **k: None))
     prepared = prepare(config, data, model, tx, loss_fn=loss_fn, transform=transform,
                        init_from=init_from)
     seconds = {"prepare": time.perf_counter() - t_start}  # where the wall time goes
-    cache = compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
     with compilation.CompileLog("startup") as compiles:  # every executable built, by phase
         expect = checkpoint_keys(prepared)
         resuming = check_workdir(config, workdir, prepared, expect)
@@ -140,6 +143,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str,
         distributed.check_agree({"initial params checksum": distributed.tree_checksum(
             tr.state.params)})
         run = Run(config, workdir, tr, compiles, expect, say, seconds)
+        run.plan = plan
         try:
             run.restore()
             run.train()
@@ -228,6 +232,7 @@ class Run:
 
     def __init__(self, config, workdir: str, tr: Trainer, compiles, expect: dict, say, seconds):
         self.config, self.workdir, self.tr, self.compiles = config, workdir, tr, compiles
+        self.plan = None  # mesh="auto": the planner's record (trjax.train.planner.resolve_auto)
         self.expect, self.say, self.seconds = expect, say, seconds
         self.lead = jax.process_index() == 0
         self.state = tr.state
@@ -476,6 +481,8 @@ class Run:
                                                     "checkpoint": self.checkpoint_s[0]}.items()},
             "first_step_done_at": self.reader.first_step_done_at,  # Unix time (benchmarks)
         }
+        if self.plan is not None:  # mesh="auto": the planner's candidates and choice
+            summary["plan"] = self.plan
         if self.lead:
             tmp = os.path.join(self.workdir, "summary.json.tmp")
             with open(tmp, "w") as f:

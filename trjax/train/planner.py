@@ -1,0 +1,489 @@
+"""``trjax-plan``: the mesh, schedule, micro-batches and remat chosen from XLA's own numbers.
+
+For a config, its devices and a memory budget per device, :func:`plan`
+
+1. enumerates candidates (:func:`candidates`): every factorization of the
+   world size into ``data x fsdp x stage x model``, each pipeline schedule on a
+   ``stage`` axis, remat off and on; a candidate trjax cannot build (a batch
+   the batch axes do not divide, a model with no tensor plan, more stages than
+   blocks) is dropped with the builder's own reason;
+2. prunes before compiling: a candidate whose train state alone (the
+   per-device shards of its parameters, optimizer and comm state, exact from
+   their shardings) exceeds the budget is not compiled, nor one whose compute
+   time alone (:func:`trjax.cost.jaxpr_flops` at peak FLOP/s, from a trace)
+   cannot beat the best fitting candidate so far; candidates are tried in the
+   order of that lower bound, so good plans come early;
+3. compiles each remaining train step ahead of time
+   (:func:`trjax.aot.compile_step`, abstract shapes, nothing runs) and reads
+   XLA's ``memory_analysis()`` (the peak per device:
+   :meth:`trjax.aot.CompiledStep.memory`), ``cost_analysis()`` (bytes accessed)
+   and the collectives per mesh axis (:func:`trjax.comm.by_axis`);
+4. predicts the step time (:func:`trjax.cost.predict` on a
+   :class:`trjax.hardware.Hardware`) and ranks: the fastest candidate that fits.
+
+Every candidate is exact against its data-parallel oracle (the suite tests each
+layout), so the choice changes time and memory, never the values beyond one
+step's rounding. ``config.mesh="auto"`` runs the winner (:func:`resolve_auto`).
+Sources of the idea: MaxText's ``estimator.py`` (remat x batch by trial compiles),
+Alpa / XLA auto-sharding (a cost model over compiled candidates).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+
+import jax
+import numpy as np
+
+from trjax import aot, comm, cost, hardware
+from trjax.world import MESH_AXES
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1")
+
+
+@dataclasses.dataclass
+class Candidate:
+    """One configuration the planner considered.
+
+    Attributes:
+      name: e.g. ``"data:2,stage:4 schedule:zb-h1 remat:blocks"``.
+      overrides: the config keys it sets (``mesh``, ``pipeline_schedule``, ``remat``).
+      status: ``"compiled"``, ``"pruned: ..."`` or ``"invalid: ..."`` (why).
+      fits: peak per device <= budget (``None`` when not known).
+      peak_bytes: XLA's peak per device of the compiled train step (``None`` if not compiled).
+      state_bytes: the train state's bytes per device (exact, from its shardings).
+      memory: :meth:`trjax.aot.CompiledStep.memory`.
+      flops: :func:`trjax.cost.jaxpr_flops`.
+      predicted: :func:`trjax.cost.predict` (``step_s`` and its parts).
+      compile_s: seconds to compile (or load) the train step.
+    """
+    name: str
+    overrides: dict
+    status: str = "new"
+    fits: bool | None = None
+    peak_bytes: int | None = None
+    state_bytes: int | None = None
+    memory: dict = dataclasses.field(default_factory=dict)
+    flops: dict = dataclasses.field(default_factory=dict)
+    predicted: dict = dataclasses.field(default_factory=dict)
+    compile_s: float = 0.0
+
+    @property
+    def step_s(self) -> float | None:
+        return self.predicted.get("step_s")
+
+    def to_json(self, global_batch: int) -> dict:
+        out = {k: v for k, v in dataclasses.asdict(self).items()}
+        out["config"] = out.pop("overrides")
+        out["predicted_step_s"] = self.step_s
+        out["images_per_s"] = global_batch / self.step_s if self.step_s else None
+        return out
+
+
+def factorizations(n: int, axes=MESH_AXES) -> list[dict]:
+    """Every ``{axis: size}`` over ``axes`` (``data`` always) whose sizes multiply to
+    ``n``; axes of size 1 left out (``data`` kept), in order of fewer split axes."""
+    out = []
+    for sizes in itertools.product(*[[d for d in range(1, n + 1) if n % d == 0]] * len(axes)):
+        if math.prod(sizes) == n:
+            m = {a: s for a, s in zip(axes, sizes) if s > 1 or a == "data"}
+            out.append(m)
+    return sorted(out, key=lambda m: (len(m), -m.get("data", 1)))
+
+
+def mesh_string(sizes: dict) -> str:
+    """``{"data": 8}`` -> ``""`` (the default 1-D mesh); else ``"data:2,stage:4"``."""
+    if set(sizes) == {"data"}:
+        return ""
+    return ",".join(f"{a}:{sizes[a]}" for a in MESH_AXES if a in sizes)
+
+
+def candidates(world_size: int, axes=MESH_AXES, remat=("none", "blocks"),
+               schedules=SCHEDULES) -> list[Candidate]:
+    """The candidates for ``world_size`` devices over ``axes``: each mesh, on a
+    ``stage`` axis each of ``schedules``, each of ``remat`` (config values)."""
+    out = []
+    for sizes in factorizations(world_size, tuple(a for a in MESH_AXES if a in axes)):
+        mesh = mesh_string(sizes)
+        label = mesh or f"data:{world_size}"
+        for sched in (schedules if sizes.get("stage", 1) > 1 else (None,)):
+            for r in remat:
+                over = {"mesh": mesh, "remat": r}
+                name = label
+                if sched is not None:
+                    over["pipeline_schedule"] = sched
+                    name += f" schedule:{sched}"
+                if r != "none":
+                    name += f" remat:{r}"
+                out.append(Candidate(name, over))
+    return out
+
+
+def with_overrides(config, overrides: dict):
+    """A copy of ``config`` with ``overrides`` set."""
+    c = config.copy_and_resolve_references()
+    with c.unlocked():
+        for k, v in overrides.items():
+            c[k] = v
+    return c
+
+
+def _state_bytes(abstract) -> int:
+    total = 0
+    for x in jax.tree_util.tree_leaves(abstract):
+        shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        total += math.prod(shape) * np.dtype(x.dtype).itemsize
+    return int(total)
+
+
+def _evaluate(cand: Candidate, tr, hw, budget: int, best_s: float | None) -> None:
+    """Traces, bounds and (unless pruned) compiles ``cand``'s train step on the
+    prepared trainer ``tr``; fills ``cand`` in place."""
+    from trjax.precision import INITIAL_LOSS_SCALE
+    from trjax.state import train_state_program
+    from trjax.train.trainer import example_batch, make_train_step
+    c = tr.config
+    init = train_state_program(c.seed, tr.layout, tr.exchange,
+                               loss_scale=INITIAL_LOSS_SCALE if c.precision == "fp16" else 1.0)
+    batch = example_batch(tr, tr.world.global_batch_size)
+    cand.state_bytes = _state_bytes(init.abstract)
+    if cand.state_bytes > budget:
+        cand.status, cand.fits = "pruned: the train state alone exceeds the budget", False
+        return
+    fn = make_train_step(tr)
+    traced = jax.jit(fn, donate_argnums=0).trace(*aot.abstract((init.abstract, batch)))
+    cand.flops = cost.jaxpr_flops(traced.jaxpr, tr.world.world_size)
+    bound = cand.flops["flops"] / hw.flops(c.precision)
+    if best_s is not None and bound >= best_s:
+        cand.status = f"pruned: compute alone {bound:.4g} s >= the best fitting {best_s:.4g} s"
+        cand.predicted = {"lower_bound_s": bound}
+        return
+    step = aot.compile_step("train_step", fn, init.abstract, batch, donate_argnums=0,
+                            traced=traced)
+    cand.compile_s = step.compile_s
+    cand.memory = step.memory()
+    cand.peak_bytes = cand.memory.get("peak")
+    cand.fits = cand.peak_bytes is None or cand.peak_bytes <= budget
+    per_axis = comm.by_axis(comm.collectives_in_hlo(step.hlo_text()) or [], tr.world.mesh)
+    accessed = step.cost().get("bytes accessed", 0.0) * cand.flops["loop_factor"]
+    cand.predicted = cost.predict(hw, c.precision, cand.flops["flops"], accessed, per_axis,
+                                  tr.world.axes)
+    cand.status = "compiled"
+
+
+@dataclasses.dataclass
+class Plan:
+    """What :func:`plan` found: every candidate (compiled, pruned or invalid),
+    the chosen one and the inputs."""
+    candidates: list
+    chosen: Candidate
+    budget: int
+    hardware: hardware.Hardware
+    global_batch: int
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"chosen": self.chosen.name, "chosen_config": self.chosen.overrides,
+                "why": why(self), "memory_per_device": self.budget,
+                "hardware": self.hardware.to_json(), "global_batch": self.global_batch,
+                "seconds": self.seconds,
+                "candidates": [c.to_json(self.global_batch) for c in self.candidates]}
+
+
+def choose(cands, budget: int) -> Candidate:
+    """The candidate with the smallest predicted step among those whose peak per
+    device fits ``budget`` bytes (ties: the smaller peak).
+
+    Raises:
+      ValueError: nothing fits, naming the smallest peak found and its candidate.
+    """
+    compiled = [c for c in cands if c.status == "compiled"]
+    fitting = [c for c in compiled if c.peak_bytes is None or c.peak_bytes <= budget]
+    if fitting:
+        return min(fitting, key=lambda c: (c.step_s, c.peak_bytes or 0))
+    if not compiled:
+        state = min((c for c in cands if c.state_bytes), key=lambda c: c.state_bytes,
+                    default=None)
+        hint = (f"; the smallest train state is {state.state_bytes / 2 ** 20:.1f} MiB per "
+                f"device ({state.name})" if state else "")
+        raise ValueError(f"no candidate fits memory_per_device={budget / 2 ** 20:.1f} MiB"
+                         f"{hint}: raise the budget, use more devices or a smaller batch")
+    small = min(compiled, key=lambda c: c.peak_bytes)
+    raise ValueError(f"no candidate fits memory_per_device={budget / 2 ** 20:.1f} MiB: the "
+                     f"smallest peak is {small.peak_bytes / 2 ** 20:.1f} MiB per device "
+                     f"({small.name}); raise the budget, use more devices or a smaller batch")
+
+
+def why(p: Plan) -> str:
+    """One line: why the chosen candidate won."""
+    c = p.chosen
+    others = sorted((x for x in p.candidates if x.status == "compiled" and x is not c),
+                    key=lambda x: x.step_s)
+    faster = [x for x in others if x.step_s < c.step_s]
+    text = (f"{c.name}: predicted {c.step_s * 1e3:.2f} ms/step, peak "
+            f"{c.peak_bytes / 2 ** 20:.1f} MiB <= budget {p.budget / 2 ** 20:.1f} MiB")
+    if faster:
+        text += (f"; {len(faster)} faster candidate(s) do not fit (fastest: {faster[0].name}, "
+                 f"peak {faster[0].peak_bytes / 2 ** 20:.1f} MiB)")
+    elif others:
+        text += f"; next: {others[0].name} at {others[0].step_s * 1e3:.2f} ms/step"
+    return text
+
+
+def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *,
+         memory_per_device, hardware_spec: str = "", axes=None, remat=None,
+         max_candidates: int = 64, exhaustive: bool = False, say=print) -> Plan:
+    """Enumerates, prunes, compiles and ranks the candidates for ``config`` on its
+    devices (``config.devices``); see the module docstring.
+
+    Args:
+      config: the run's config (its ``mesh`` and the keys the candidates set are
+        replaced; every other key is kept).
+      data, model, tx, loss_fn, transform: as :func:`trjax.train.trainer.prepare`.
+      memory_per_device: the budget, bytes (int) or a string with a unit ("24GiB").
+      hardware_spec: :func:`trjax.hardware.resolve` (``""``: the devices' own).
+      axes: the mesh axes candidates may use (``data`` always; ``None``: every axis
+        the model can be split on). An axis given here that the model cannot be
+        split on is an error.
+      remat: the ``config.remat`` values to try (``None``: ``"none"`` and the
+        config's own, ``"blocks"`` when it is ``"none"``). A remat candidate is
+        compiled only when the same candidate without remat does not fit: remat
+        recomputes, it is never faster.
+      max_candidates: compile at most this many.
+      exhaustive: compile every candidate that fits by its state (no time or
+        dominance bound).
+      say: where progress lines go.
+
+    Returns:
+      A :class:`Plan`.
+
+    Raises:
+      ValueError: a budget without a unit, an axis not in ``MESH_AXES``, an axis
+        on which no candidate can be built (naming the axis, the builder's reason
+        and the axes it can use), or no candidate fits (:func:`choose`).
+    """
+    from trjax.train.trainer import prepare
+    t0 = time.perf_counter()
+    budget = memory_per_device if isinstance(memory_per_device, int) else \
+        hardware.parse_bytes(memory_per_device)
+    strict, axes = axes is not None, tuple(axes or MESH_AXES)
+    bad = [a for a in axes if a not in MESH_AXES]
+    if bad:
+        raise ValueError(f"axes {bad} are not mesh axes; choose from {list(MESH_AXES)}")
+    n = len(_devices(config))
+    hw = hardware.resolve(hardware_spec, _devices(config))
+    remat = remat or ("none", config.remat if config.remat != "none" else "blocks")
+    cands = candidates(n, axes, remat=remat)
+    say(f"trjax-plan: {len(cands)} candidates on {n} devices; budget "
+        f"{budget / 2 ** 20:.1f} MiB per device; hardware {hw.name}")
+    best, compiled, by_name = None, 0, {c.name: c for c in cands}
+    for cand in sorted(cands, key=lambda c: _work(c, config.global_batch_size)):
+        twin = by_name.get(cand.name.replace(f" remat:{cand.overrides['remat']}", ""))
+        if not exhaustive and cand.overrides["remat"] != "none" and twin is not None \
+                and twin.fits:
+            cand.status = f"pruned: {twin.name} fits without remat (remat only recomputes)"
+            continue
+        try:  # the builder's own checks: a reason, not a crash
+            tr = prepare(with_overrides(config, cand.overrides), data, model, tx, loss_fn,
+                         transform)
+        except ValueError as e:
+            cand.status = f"invalid: {str(e).splitlines()[0]}"
+            continue
+        if compiled >= max_candidates:
+            cand.status = f"pruned: max_candidates={max_candidates} compiled already"
+            continue
+        _evaluate(cand, tr, hw, budget, None if exhaustive or best is None else best.step_s)
+        if cand.status == "compiled":
+            compiled += 1
+            say(f"  {cand.name}: peak {cand.peak_bytes / 2 ** 20:.1f} MiB, predicted "
+                f"{cand.step_s * 1e3:.2f} ms/step (compiled in {cand.compile_s:.1f} s)")
+            if cand.fits and (best is None or cand.step_s < best.step_s):
+                best = cand
+    if strict:
+        _check_axes(cands, axes)
+    chosen = choose(cands, budget)
+    return Plan(cands, chosen, budget, hw, config.global_batch_size, time.perf_counter() - t0)
+
+
+def _devices(config):
+    from trjax.world import parse_device_spec
+    pool = jax.devices()
+    return [pool[i] for i in parse_device_spec(config.devices, len(pool))]
+
+
+def _work(cand: Candidate, global_batch: int) -> float:
+    """A cheap estimate of a candidate's compute per device, to try the likely
+    winners first: rows per batch rank / model / stages, x (M+S-1)/M for a
+    pipeline's bubble at M = 4S, x 1.3 with remat."""
+    sizes = {a: int(s) for a, s in (x.split(":") for x in cand.name.split()[0].split(","))}
+    S = sizes.get("stage", 1)
+    work = global_batch / (sizes.get("data", 1) * sizes.get("fsdp", 1) * sizes.get("model", 1) * S)
+    work *= (5 * S - 1) / (4 * S)
+    return work * (1.3 if cand.overrides.get("remat", "none") != "none" else 1.0)
+
+
+def _check_axes(cands, axes) -> None:
+    """An axis asked for on which no candidate could be built is an error."""
+    ok = {a for c in cands if not c.status.startswith("invalid")
+          for a in MESH_AXES if f"{a}:" in c.overrides["mesh"]} | {"data"}
+    for a in axes:
+        if a not in ok:
+            reason = next((c.status for c in cands if f"{a}:" in c.overrides["mesh"]), "")
+            raise ValueError(f"the planner cannot split this model on axis {a!r} ({reason}); "
+                             f"it can use {sorted(ok, key=MESH_AXES.index)}")
+
+
+def table(p: Plan) -> str:
+    """The ranked candidates as a markdown table: fitting ones by predicted step,
+    then the others by peak, then the pruned and invalid ones."""
+    mib = lambda b: "" if b is None else f"{b / 2 ** 20:.1f}"  # noqa: E731
+    ms = lambda s: "" if s is None else f"{s * 1e3:.2f}"  # noqa: E731
+    compiled = [c for c in p.candidates if c.status == "compiled"]
+    ranked = sorted((c for c in compiled if c.fits), key=lambda c: c.step_s) + \
+        sorted((c for c in compiled if not c.fits), key=lambda c: c.peak_bytes)
+    rest = [c for c in p.candidates if c.status != "compiled"]
+    lines = [f"budget {mib(p.budget)} MiB per device, hardware {p.hardware.name}, global "
+             f"batch {p.global_batch}; chosen: {why(p)}", "",
+             "| candidate | fits | peak MiB/dev | state MiB/dev | predicted ms/step | "
+             "compute | memory | comm by axis (ms) | images/s | status |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for c in ranked + rest:
+        pr = c.predicted
+        axes = ", ".join(f"{a} {s * 1e3:.2f}" for a, s in pr.get("comm_s", {}).items())
+        ips = f"{p.global_batch / c.step_s:.1f}" if c.step_s else ""
+        mark = " **chosen**" if c is p.chosen else ""
+        lines.append(f"| {c.name}{mark} | {'' if c.fits is None else ('yes' if c.fits else 'no')}"
+                     f" | {mib(c.peak_bytes)} | {mib(c.state_bytes)} | {ms(c.step_s)} | "
+                     f"{ms(pr.get('compute_s'))} | {ms(pr.get('memory_s'))} | {axes} | {ips} | "
+                     f"{c.status} |")
+    return "\n".join(lines) + "\n"
+
+
+def write(p: Plan, out: str) -> str:
+    """Writes ``out/plan.json`` (:meth:`Plan.to_json`) and ``out/plan.md``
+    (:func:`table`); returns the JSON's path."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "plan.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(p.to_json(), f, indent=1, default=str)
+    os.replace(path + ".tmp", path)
+    with open(os.path.join(out, "plan.md"), "w") as f:
+        f.write(table(p))
+    return path
+
+
+def budget_of(config, devices) -> int:
+    """``config.memory_per_device`` in bytes, else the device's own memory limit
+    (``memory_stats()["bytes_limit"]`` on a GPU).
+
+    Raises:
+      ValueError: no budget on a device that does not report its memory (a CPU),
+        or a budget without a unit.
+    """
+    if str(config.memory_per_device).strip():
+        return hardware.parse_bytes(config.memory_per_device)
+    stats = getattr(devices[0], "memory_stats", lambda: None)() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    raise ValueError("config.mesh='auto' needs config.memory_per_device (e.g. '24GiB') on "
+                     f"{devices[0].platform} devices, which do not report their memory")
+
+
+def resolve_auto(config, data=None, model=None, tx=None, loss_fn=None, transform=None,
+                 say=print):
+    """``(config, record)``: for ``config.mesh == "auto"`` the config of
+    :func:`plan`'s winner (its ``mesh``, ``pipeline_schedule``, ``remat`` set) and
+    ``record`` (:meth:`Plan.to_json`, what ``summary.json`` keeps as ``"plan"``);
+    else ``(config, None)``. The budget is :func:`budget_of`, the hardware
+    ``config.plan_hardware``, the axes ``config.plan_axes`` ("": all).
+
+    Raises:
+      ValueError: as :func:`plan` and :func:`budget_of`.
+    """
+    if str(config.mesh).strip() != "auto":
+        return config, None
+    axes = [a.strip() for a in str(config.plan_axes).split(",") if a.strip()] or None
+    p = plan(config, data, model, tx, loss_fn, transform,
+             memory_per_device=budget_of(config, _devices(config)),
+             hardware_spec=config.plan_hardware, axes=axes, say=say)
+    say(f"mesh=auto chose {why(p)}")
+    return with_overrides(config, p.chosen.overrides), p.to_json()
+
+
+def _synthetic(shape: str, num_classes: int, rows: int):
+    """An in-memory data set of ``rows`` zero images of ``shape`` ("224,224,3") for
+    planning without the data (only shapes are read)."""
+    from trjax.data.splits import Dataset, Split
+    dims = tuple(int(x) for x in shape.split(","))
+    split = Split(np.zeros((rows,) + dims, np.uint8),
+                  np.arange(rows, dtype=np.int32) % num_classes)
+    return Dataset(split, split, num_classes, "synthetic", mean=(0.0,) * dims[-1],
+                   std=(1.0,) * dims[-1])
+
+
+def main(argv) -> None:
+    """``trjax-plan --config default --memory_per_device 24GiB [--hardware h100] [--out
+    DIR] [--axes data,fsdp] [--shape 224,224,3 --num_classes 1000]
+    [--config.KEY=VALUE ...]``: prints the ranked table and writes ``DIR/plan.json``
+    and ``DIR/plan.md``; exits with ``error: <message>`` on bad input."""
+    import sys
+    from absl import flags
+    del argv
+    f = flags.FLAGS
+    config = f.config
+    from trjax.cpu import host
+    from trjax.train import compilation
+    try:
+        host.configure_cpu(config.cpu_devices, config.cpu_convolutions, config.cpu_reuse_memory)
+        from trjax.train import config as config_lib
+        config_lib.validate(with_overrides(config, {}))
+        data = None
+        if f.shape:
+            data = _synthetic(f.shape, f.num_classes, config.global_batch_size)
+        compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
+        p = plan(config, data, memory_per_device=f.memory_per_device,
+                 hardware_spec=f.hardware,
+                 axes=[a.strip() for a in f.axes.split(",")] if f.axes else None,
+                 max_candidates=f.max_candidates, exhaustive=f.exhaustive)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+    path = write(p, f.out)
+    print(table(p))
+    print(f"plan: {why(p)} -> {path} ({p.seconds:.1f} s)")
+
+
+def run(argv=None) -> None:
+    """The console command ``trjax-plan`` (``python -m trjax.train.planner``)."""
+    import sys
+    from absl import app, flags
+    from ml_collections import config_flags
+    from trjax.train.main import resolve_config_argv
+    sys.argv[:] = resolve_config_argv(sys.argv if argv is None else argv)
+    from trjax.train.config import check_argv
+    check_argv(sys.argv)
+    f = flags.FLAGS
+    if "memory_per_device" not in f:
+        config_flags.DEFINE_config_file("config", None, "A packaged config's name or a file "
+                                        "that defines get_config().", lock_config=True)
+        flags.mark_flag_as_required("config")
+        flags.DEFINE_string("memory_per_device", None, "Budget per device, e.g. 24GiB.")
+        flags.DEFINE_string("hardware", "", "h100, h200, cpu (calibrated) or a JSON file; "
+                            "'': the devices' own.")
+        flags.DEFINE_string("out", ".", "Folder for plan.json and plan.md.")
+        flags.DEFINE_string("axes", "", "Mesh axes to use, e.g. 'data,fsdp' (''': all).")
+        flags.DEFINE_integer("max_candidates", 64, "Compile at most this many.")
+        flags.DEFINE_bool("exhaustive", False, "Compile every candidate whose state fits.")
+        flags.DEFINE_string("shape", "", "Plan for images of this shape ('224,224,3') "
+                            "without loading the data set.")
+        flags.DEFINE_integer("num_classes", 1000, "Classes with --shape.")
+        flags.mark_flag_as_required("memory_per_device")
+    app.run(main, argv=sys.argv)
+
+
+if __name__ == "__main__":
+    run()
