@@ -110,6 +110,10 @@ def test_choose_the_fastest_that_fits_or_name_the_smallest_peak():
     assert planner.choose([a, b, c], 100) is c
     with pytest.raises(ValueError, match="smallest peak is .* per device \\(c\\)"):
         planner.choose([a, b, c], 99)
+    bad = planner.Candidate("d", {}, status="invalid: config.global_batch_size 12 is not "
+                                           "divisible by world_size 8")
+    with pytest.raises(ValueError, match="no candidate can be built.*not divisible"):
+        planner.choose([bad], 99)
 
 
 def test_plan_compiles_ranks_and_matches_the_trainers_peak(tmp_path):

@@ -426,7 +426,3 @@ def shard_layout(plan: MemoryPlan, world_size: int) -> dict[str, tuple[int, np.n
         out[b] = (len(mask), mask)
     return out
 
-
-if __name__ == "__main__":  # python -m trjax.plan: the planner's command (trjax-plan)
-    from trjax.train.planner import run
-    run()
