@@ -162,4 +162,9 @@ def test_plan_compiles_ranks_and_matches_the_trainers_peak(tmp_path):
     status = {r["name"]: r["status"] for r in summary["plan"]["candidates"]}
     assert status["data:4 remat:blocks"] == "compiled"  # data:4 does not fit: remat is tried
     assert status[f"{chosen} remat:blocks"].startswith(f"pruned: {chosen} fits without remat")
+    # --verify: one step of the winner against its data-parallel oracle, within the bound
+    v = planner.verify(auto, row["config"], data)
+    assert v["ok"] and v["worst_ratio"] <= 1, v  # fsdp:4 against data:4: bitwise here
+    assert v["oracle"] == {"mesh": "", "devices": "4", "grad_accumulation_steps": 1,
+                           "remat": "none"}
     assert json.load(open(tmp_path / "run" / "config.json"))["mesh"] == chosen.split()[0]

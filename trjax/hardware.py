@@ -161,7 +161,9 @@ def from_json(path: str) -> Hardware:
                          "{'latency_s', 'bytes_per_s'})") from None
 
 
-def _median_time(fn, *args, repeats: int = 5) -> float:
+def _best_time(fn, *args, repeats: int = 7) -> float:
+    """The fastest of ``repeats`` calls after one warm-up: the least disturbed by
+    other work on the host."""
     import jax
     jax.block_until_ready(fn(*args))
     times = []
@@ -169,7 +171,7 @@ def _median_time(fn, *args, repeats: int = 5) -> float:
         t = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return min(times)
 
 
 def calibrate_cpu(devices) -> Hardware:
@@ -177,8 +179,8 @@ def calibrate_cpu(devices) -> Hardware:
     every device working at once, as in a step: a 3x3 convolution's forward and
     backward (FLOP/s per device), an elementwise pass over 16 MiB per device
     (bytes/s per device), and an all-reduce over all devices of 4 B (latency) and
-    of 4 MiB per device (bandwidth: bytes sent per device, ring count). Takes a
-    few seconds; ``roofline="sum"`` (XLA:CPU runs a step's kernels one after
+    of 4 MiB per device (bandwidth: bytes sent per device, ring count), each the
+    fastest of 7 calls. Takes a few seconds; ``roofline="sum"`` (XLA:CPU runs a step's kernels one after
     another on the same cores)."""
     import jax
     import jax.numpy as jnp
@@ -197,14 +199,14 @@ def calibrate_cpu(devices) -> Hardware:
         return gx + jnp.sum(gw)
     x = put(np.random.default_rng(0).normal(size=(8 * n, 16, 16, 32)).astype(np.float32))
     flops = 3 * 2.0 * 8 * 16 * 16 * 32 * 9 * 32  # forward, input and weight gradients
-    flops_per_s = flops / _median_time(spmd(conv_grad), x)
+    flops_per_s = flops / _best_time(spmd(conv_grad), x)
     y = put(np.ones((n * 2 ** 22,), np.float32))  # 16 MiB per device
-    memory = 2 * 4 * 2 ** 22 / _median_time(spmd(lambda v: v * 1.0001 + 1.0), y)
+    memory = 2 * 4 * 2 ** 22 / _best_time(spmd(lambda v: v * 1.0001 + 1.0), y)
     reduce = spmd(lambda v: jax.lax.psum(v, "d"))
-    latency = _median_time(reduce, put(np.ones((n,), np.float32)))
+    latency = _best_time(reduce, put(np.ones((n,), np.float32)))
     big = 2 ** 20  # floats per device
     sent = 2 * (n - 1) / n * 4 * big
-    bandwidth = sent / max(_median_time(reduce, put(np.ones((n * big,), np.float32))) - latency,
+    bandwidth = sent / max(_best_time(reduce, put(np.ones((n * big,), np.float32))) - latency,
                            1e-9)
     link = Link(latency_s=latency, bytes_per_s=bandwidth)
     return Hardware("cpu", {"fp32": flops_per_s}, memory, link, link, devices_per_node=n,

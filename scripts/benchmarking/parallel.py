@@ -62,20 +62,6 @@ def split_name(name: str) -> tuple[str, dict]:
     return mesh, out
 
 
-def parse_bytes(text: str) -> int:
-    """``"24GiB"``, ``"512MiB"``, ``"16GB"`` -> bytes.
-
-    Raises:
-      ValueError: a number without a unit (or an unknown one), naming the units.
-    """
-    units = {"KiB": 2 ** 10, "MiB": 2 ** 20, "GiB": 2 ** 30, "KB": 10 ** 3, "MB": 10 ** 6,
-             "GB": 10 ** 9}
-    for unit, scale in units.items():
-        if str(text).strip().endswith(unit):
-            return int(float(str(text).strip()[:-len(unit)]) * scale)
-    raise ValueError(f"memory {text!r} needs a unit, one of {list(units)} (e.g. 24GiB)")
-
-
 def fitting_batch(memory: dict, local_batch: int, batch_ranks: int, budget: int) -> int:
     """The largest global batch whose train step is estimated to fit ``budget`` bytes per
     device: what does not scale with the batch (arguments and outputs less the donated
@@ -162,7 +148,7 @@ def _build(a, name, reference, data, variants) -> dict:
     """Builds one variant (``name``: a mesh, or ``data:D accum:M``) and its row."""
     from benchmarking.common import make_config
     from benchmarking.variants import JaxVariant
-    from trjax import comm
+    from trjax import comm, hardware
     mesh, opts = split_name(name)
     sizes = _mesh_sizes(mesh)
     n = 1
@@ -210,7 +196,7 @@ def _build(a, name, reference, data, variants) -> dict:
     if a.memory_per_device and row["memory"]:
         row["fits_global_batch"] = fitting_batch(row["memory"], tr.world.local_batch_size,
                                                  tr.world.data_size,
-                                                 parse_bytes(a.memory_per_device))
+                                                 hardware.parse_bytes(a.memory_per_device))
     print(f"  {name}: built in {row['build_s']:.1f} s; temp "
           f"{row['memory'].get('temp', 0) / 2**20:.1f} MiB/device, peak "
           f"{row['memory'].get('peak', 0) / 2**20:.1f} MiB/device", flush=True)

@@ -1,7 +1,7 @@
 """``trjax-plan`` (``python -m trjax.train.plan_main``): the planner's command.
 
   trjax-plan --config default --memory_per_device 24GiB [--hardware cpu|h100|h200|FILE]
-      [--out DIR] [--axes data,fsdp] [--max_candidates N] [--exhaustive]
+      [--out DIR] [--axes data,fsdp] [--max_candidates N] [--exhaustive] [--verify]
       [--shape 224,224,3 --num_classes 1000] [--config.KEY=VALUE ...]
 
 prints the ranked candidates (:func:`trjax.train.planner.table`) and writes
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trjax.train.planner import plan, table, why, with_overrides, write
+from trjax.train.planner import plan, table, verify, why, with_overrides, write
 
 
 def _synthetic(shape: str, num_classes: int, rows: int):
@@ -53,6 +53,13 @@ def main(argv) -> None:
     path = write(p, f.out)
     print(table(p))
     print(f"plan: {why(p)} -> {path} ({p.seconds:.1f} s)")
+    if f.verify:
+        v = verify(config, p.chosen.overrides, data)
+        print(f"verify: one step of {p.chosen.name} against {v['oracle']}: worst leaf "
+              f"{v['worst_leaf']} at {v['worst_ratio']:.3g} x the one-step bound: "
+              f"{'ok' if v['ok'] else 'OUTSIDE THE BOUND'}")
+        if not v["ok"]:
+            sys.exit(2)
 
 
 def run(argv=None) -> None:
@@ -77,6 +84,8 @@ def run(argv=None) -> None:
         flags.DEFINE_string("axes", "", "Mesh axes to use, e.g. 'data,fsdp' (''': all).")
         flags.DEFINE_integer("max_candidates", 64, "Compile at most this many.")
         flags.DEFINE_bool("exhaustive", False, "Compile every candidate whose state fits.")
+        flags.DEFINE_bool("verify", False, "Run one step of the winner against its "
+                          "data-parallel oracle (trjax.train.planner.verify).")
         flags.DEFINE_string("shape", "", "Plan for images of this shape ('224,224,3') "
                             "without loading the data set.")
         flags.DEFINE_integer("num_classes", 1000, "Classes with --shape.")

@@ -10,9 +10,11 @@ For a config, its devices and a memory budget per device, :func:`plan`
 2. prunes before compiling: a candidate whose train state alone (the
    per-device shards of its parameters, optimizer and comm state, exact from
    their shardings) exceeds the budget is not compiled, nor one whose compute
-   time alone (:func:`trjax.cost.jaxpr_flops` at peak FLOP/s, from a trace)
-   cannot beat the best fitting candidate so far; candidates are tried in the
-   order of that lower bound, so good plans come early;
+   time alone cannot beat the best fitting candidate so far (before tracing:
+   :func:`_compute_bound` from the data-parallel FLOPs of a row; after:
+   :func:`trjax.cost.jaxpr_flops` at peak FLOP/s), nor a remat candidate whose
+   twin without remat fits; candidates are tried in the order of a cheap work
+   estimate (:func:`_work`), so good plans come early;
 3. compiles each remaining train step ahead of time
    (:func:`trjax.aot.compile_step`, abstract shapes, nothing runs) and reads
    XLA's ``memory_analysis()`` (the peak per device:
@@ -286,7 +288,7 @@ def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *
     cands = candidates(n, axes, remat=remat)
     say(f"trjax-plan: {len(cands)} candidates on {n} devices; budget "
         f"{budget / 2 ** 20:.1f} MiB per device; hardware {hw.name}")
-    best, compiled, by_name = None, 0, {c.name: c for c in cands}
+    best, compiled, by_name, per_row = None, 0, {c.name: c for c in cands}, None
     for cand in sorted(cands, key=lambda c: _work(c, config.global_batch_size)):
         twin = by_name.get(cand.name.replace(f" remat:{cand.overrides['remat']}", ""))
         if not exhaustive and cand.overrides["remat"] != "none" and twin is not None \
@@ -302,7 +304,15 @@ def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *
         if compiled >= max_candidates:
             cand.status = f"pruned: max_candidates={max_candidates} compiled already"
             continue
+        bound = _compute_bound(tr, per_row) / hw.flops(config.precision) if per_row else 0.0
+        if not exhaustive and best is not None and bound >= best.step_s:
+            cand.status = (f"pruned: compute alone >= {bound:.4g} s, the best fitting "
+                           f"{best.step_s:.4g} s")
+            cand.predicted = {"lower_bound_s": bound}
+            continue
         _evaluate(cand, tr, hw, budget, None if exhaustive or best is None else best.step_s)
+        if per_row is None and cand.flops and set(dict(tr.world.axes)) == {"data"}:
+            per_row = cand.flops["flops"] / tr.world.local_batch_size  # the model's FLOPs a row
         if cand.status == "compiled":
             compiled += 1
             say(f"  {cand.name}: peak {cand.peak_bytes / 2 ** 20:.1f} MiB, predicted "
@@ -319,6 +329,93 @@ def _devices(config):
     from trjax.world import parse_device_spec
     pool = jax.devices()
     return [pool[i] for i in parse_device_spec(config.devices, len(pool))]
+
+
+def oracle_overrides(tr) -> dict:
+    """The data-parallel run that does the same arithmetic as the prepared candidate
+    ``tr``: ``data`` only over its batch ranks (``data x fsdp``: the first devices of
+    the same spec), a pipeline's micro-batches as gradient accumulation, no remat."""
+    sizes = dict(tr.world.axes)
+    ranks = sizes.get("data", 1) * sizes.get("fsdp", 1)
+    out = {"mesh": "", "remat": "none", "devices": str(ranks)}
+    if sizes.get("stage", 1) > 1:
+        out["grad_accumulation_steps"] = tr.layout.details["pipeline_microbatches"]
+    return out
+
+
+def verify(config, overrides: dict, data=None, model=None, tx=None, loss_fn=None,
+           transform=None) -> dict:
+    """One train step of the candidate ``overrides`` against its data-parallel
+    oracle (:func:`oracle_overrides`) from the same initial state (rank 0's
+    parameters do not depend on the layout) on the first training batch, both
+    with ``warmup_epochs=0`` (a warm-up starts at a learning rate of 0).
+
+    Every parameter must land within the one-step reordered-sum bound (Higham,
+    Accuracy and Stability of Numerical Algorithms, 4.2; u = 2^-24, n = the
+    global batch): ``|a - b| <= 2 (n-1) u max|b - start| + 2 u max|b|``, the
+    bound ``tests/helpers.py`` derives; a leaf the oracle does not move (a bias
+    before BatchNorm, up to rounding) must stay within 1e-6 of the start. The
+    bound is for elementwise optimizers (SGD, AdamW); a normed update (LARS,
+    clipping) may exceed it by its gradient's peak-to-norm ratio.
+
+    Returns:
+      ``{"ok", "worst_ratio" (the largest |a - b| / bound), "worst_leaf", "oracle"}``.
+
+    Raises:
+      RuntimeError: the two runs start from different parameters, or the oracle's
+        step moved nothing (nothing would be verified).
+    """
+    from trjax.data import input_pipeline
+    from trjax.train.trainer import prepare, setup
+    runs = []  # warmup_epochs=0: a warm-up from lr 0 would not move the first step
+    cand = with_overrides(config, {**overrides, "warmup_epochs": 0})
+    for c in (cand, with_overrides(cand, oracle_overrides(prepare(cand, data, model, tx,
+                                                                    loss_fn, transform)))):
+        tr = setup(c, data, model=model, tx=tx, loss_fn=loss_fn, transform=transform)
+        g = c.global_batch_size
+        batch = next(iter(input_pipeline.iterate_batches(  # the first batch, unshuffled
+            tr.data.train, g, shuffle=False, rows=tr.world.process_rows(g),
+            image_shape=tr.data.image_shape, workers=0)))
+        start = jax.device_get(tr.state.params)
+        state, _ = tr.train_step(tr.state, input_pipeline.to_device(
+            batch, tr.world.sharded(), tr.data.num_classes, tr.dtype))
+        runs.append((start, jax.device_get(state.params), c))
+    (s0, a, _), (s1, b, oracle) = runs
+    u, n, worst, where = 2.0 ** -24, config.global_batch_size, 0.0, ""
+    for (path, y), x, x0, y0 in zip(jax.tree_util.tree_flatten_with_path(b)[0],
+                                    jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(s0),
+                                    jax.tree_util.tree_leaves(s1)):
+        x, y, x0, y0 = (np.asarray(v, np.float64) for v in (x, y, x0, y0))
+        if not np.array_equal(x0, y0):
+            raise RuntimeError(f"{jax.tree_util.keystr(path)}: the candidate and its oracle "
+                               "start from different parameters")
+        if np.abs(y - y0).max() < 1e-6:  # still: both stay
+            ratio = 0.0 if np.abs(x - x0).max() < 1e-6 else float("inf")
+        else:
+            lim = 2 * (n - 1) * u * np.abs(y - y0).max() + 2 * u * np.abs(y).max()
+            ratio = float(np.abs(x - y).max() / lim)
+        if ratio > worst:
+            worst, where = ratio, jax.tree_util.keystr(path)
+    if not where and all(np.array_equal(x, y) for x, y in zip(jax.tree_util.tree_leaves(b),
+                                                              jax.tree_util.tree_leaves(s1))):
+        raise RuntimeError("the oracle's step moved no parameter (a learning rate of 0?): "
+                           "nothing was verified")
+    return {"ok": worst <= 1.0, "worst_ratio": worst, "worst_leaf": where,
+            "oracle": {k: oracle[k] for k in ("mesh", "devices", "grad_accumulation_steps",
+                                              "remat")}}
+
+
+def _compute_bound(tr, per_row: float) -> float:
+    """A lower bound on a prepared candidate's FLOPs per device, before tracing it:
+    the data-parallel FLOPs of a row (``per_row``, counted on a ``data``-only
+    candidate's step) times its rows per batch rank, split evenly over ``stage x
+    model`` (a device's share is at least the mean: replicated layers and the
+    largest stage only add), times a pipeline's ticks per micro-batch (M+S-1)/M."""
+    sizes = dict(tr.world.axes)
+    S, T = sizes.get("stage", 1), sizes.get("model", 1)
+    rows = tr.world.global_batch_size / (sizes.get("data", 1) * sizes.get("fsdp", 1))
+    M = tr.layout.details.get("pipeline_microbatches", 1) if S > 1 else 1
+    return per_row * rows / (S * T) * (M + S - 1) / M
 
 
 def _work(cand: Candidate, global_batch: int) -> float:
