@@ -150,7 +150,8 @@ def expected_transfers(path, plan):
       vectors sent exactly) then Q (every matrix's columns); top-k one all-gather of 2k
       uint32 words per device;
     * shard_optimizer_state: per bucket a reduce-scatter of ``n_pad / N`` and an all-gather
-      of ``n_pad``; one all-reduce of the metric sums and the non-finite flag.
+      of ``n_pad``; one all-reduce of the metric sums, the non-finite flag and the sum of
+      squares of the gradient (grad_norm; grad_clip_norm's norm: no all-reduce of its own).
     """
     mb, _ = plan.metrics_slot
     nm = len(METRICS)
@@ -159,7 +160,7 @@ def expected_transfers(path, plan):
     if path in COMPRESSORS:
         out["*"] = [("all-reduce", f32, nm)]
     if path == "shard_optimizer_state":
-        out["*"] = [("all-reduce", f32, nm + 1)]
+        out["*"] = [("all-reduce", f32, nm + 2)]
         for b, (n_pad, _) in shard_layout(plan, N).items():
             out[b] = [("reduce-scatter", f32, n_pad // N), ("all-gather", f32, n_pad)]
         return out

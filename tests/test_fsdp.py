@@ -115,7 +115,8 @@ def test_a_non_finite_shard_skips_the_update_on_every_device(trainers):
 def test_fsdp_collectives_by_axis(trainers):
     """The compiled step (running BN): over 'fsdp' one all-gather per bucket, one
     reduce-scatter per bucket in the plan's order (deep first) whose scattered sizes are the
-    plan's local buckets plus the whole leaves and metric sums, and one non-finite flag; over
+    plan's local buckets plus the whole leaves and metric sums, and one all-reduce of the
+    non-finite flag (with grad_norm's per-leaf sums of squares); over
     'data' the two bucket all-reduces of the 1/F shards (deep first); the BN statistics over
     data x fsdp. The gathered bytes are the whole parameters (the traffic model's figure)."""
     tr = trainers("running", "adamw", "data:2,fsdp:4")
@@ -133,7 +134,10 @@ def test_fsdp_collectives_by_axis(trainers):
     assert [c["elements"] for c in by[("data", "fsdp")]] == [plan.stat_sums_elements]
     model = tr.layout.details["fsdp_traffic_bytes"]
     got = comm.by_axis(cols, mesh)["fsdp"]["bytes"]
-    assert got == model["all_gather"] + model["reduce_scatter"] + 4  # + the flag
+    # + the flag, and grad_norm's sum of squares of each split leaf (taken on the global
+    # arrays: XLA's partitioner sums each over fsdp; merged with the flag's all-reduce)
+    split = len(plan.slots) - len(tr.layout.details["fsdp_whole_leaves"])
+    assert got == model["all_gather"] + model["reduce_scatter"] + 4 + 4 * split
 
 
 def test_rows_round_trip_and_shard_dims():

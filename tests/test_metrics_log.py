@@ -89,3 +89,56 @@ def test_step_log_images_per_s_after_a_resume_counts_this_process_images_only(mo
     assert rows[0]["examples"] == 40 and rows[0]["loss"] == 40 / 40  # the whole window's rates
     assert rows[0]["images_per_s"] == 10 / 2.0  # step 4's 10 images in 2 s, not 40
     assert rows[1]["images_per_s"] == 20 / 4.0
+
+
+def test_step_log_grad_norm_is_the_window_last_step_and_old_windows_restore(monkeypatch):
+    """The step row's grad_norm is its window's last step's (not a sum or mean), the epoch
+    total's too; a window saved before grad_norm existed (six values) restores with it NaN,
+    and a checkpoint's position round-trips it."""
+    import math
+    from trjax.train import loop_io
+    from trjax.metrics import StepMetrics
+    rows = []
+    reader = loop_io.MetricsReader(0, False, False, log_every=2, on_log_row=rows.append,
+                                   lr_of_step=lambda t: 0.1, steps_per_epoch=10)
+    reader.restore({"log_window_sums": [30.0, 20.0, 25.0, 30.0, 1.0, 1.0],
+                    "train_sums": [30.0, 20.0, 25.0, 30.0, 1.0, 1.0]})
+    assert math.isnan(reader.window.grad_norm) and math.isnan(reader.sums.grad_norm)
+    for step, norm in ((4, 3.0), (5, 2.0), (6, 0.5)):
+        reader.push(step, StepMetrics(10.0, 8.0, 9.0, 10.0, 1.0, 1.0, norm))
+    assert [(r["step"], r["grad_norm"]) for r in rows] == [(4, 3.0), (6, 0.5)]
+    position = reader.position()
+    assert position["train_sums"][-1] == 0.5 and len(position["train_sums"]) == 7
+    again = loop_io.MetricsReader(0, False, False)
+    again.restore(position)
+    assert again.take().grad_norm == 0.5 and again.take().count == 0
+
+
+def test_tensorboard_rebuild_takes_step_rows_written_before_grad_norm(tmp_path, monkeypatch):
+    """On resume TensorBoard is rebuilt from steps.jsonl: a row of an older trjax (no
+    grad_norm) still gives its other scalars, a new row also grad_norm/step."""
+    import types
+    from trjax.train import loop_io
+    written = []
+
+    class Board:
+        def __init__(self, folder):
+            pass
+
+        def add_scalar(self, tag, value, step):
+            written.append((tag, value, step))
+
+        def add_text(self, *args):
+            pass
+    monkeypatch.setattr(loop_io, "_tensorboardx_writer_class", lambda: Board)
+    monkeypatch.setattr(loop_io, "config_text", lambda config: "")
+    old = {"step": 2, "epoch": 1, "loss": 1.0, "top1": 0.5, "images_per_s": 9.0, "lr": 0.1,
+           "loss_scale": 1.0, "skipped_steps": 0, "examples": 32}
+    with MetricsWriter(str(tmp_path / "steps.jsonl")) as w:
+        w.write(old)
+        w.write({**old, "step": 4, "grad_norm": 0.25})
+    loop_io.open_tensorboard(types.SimpleNamespace(tensorboard=True), str(tmp_path),
+                             print, resume=True)
+    assert ("grad_norm/step", 0.25, 4) in written
+    assert [t for t, _, s in written if s == 2] == [loop_io.step_tag(k) for k in
+                                                      loop_io.STEP_SCALARS if k != "grad_norm"]

@@ -148,9 +148,10 @@ def _mean_gradient(plan, bufs):
     return to_host(grads)
 
 
-def _run_exchange(ex, world, params0, bufs_seq):
+def _run_exchange(ex, world, params0, bufs_seq, norms=None):
     """``len(bufs_seq)`` updates of ``ex`` on every device; the params after each and the
-    final optimizer state, on the host."""
+    final optimizer state, on the host (``norms``: a list that gets each update's
+    ``grad_norm``)."""
     axis = world.axis_name
     params = jax.tree_util.tree_map(world.put, params0)
     opt_state, comm_state = ex.init(params, world)
@@ -159,19 +160,21 @@ def _run_exchange(ex, world, params0, bufs_seq):
     def local(bufs, params, opt_state, comm_state, step):  # step: the train step's counter
         up = ex.update({b: v[0] for b, v in bufs.items()}, params, opt_state, comm_state,
                        step, None, axis)
-        return up.params, up.opt_state, up.comm_state, up.finite
+        return up.params, up.opt_state, up.comm_state, up.finite, up.grad_norm
 
     f = jax.jit(jax.shard_map(local, mesh=world.mesh,
                               in_specs=(P(axis), P(), opt_specs, comm_specs, P()),
-                              out_specs=(P(), opt_specs, comm_specs, P()),
+                              out_specs=(P(), opt_specs, comm_specs, P(), P()),
                               check_vma=ex.check_vma))
     history = []
     for t, bufs in enumerate(bufs_seq):
-        params, opt_state, comm_state, finite = f(
+        params, opt_state, comm_state, finite, norm = f(
             {b: world.put(v, world.sharded()) for b, v in bufs.items()},
             params, opt_state, comm_state, jnp.int32(t))
         assert bool(finite)
         history.append(to_host(params))
+        if norms is not None:
+            norms.append(float(norm))
     return history, to_host(opt_state)
 
 
@@ -196,7 +199,9 @@ def _name_mask(tree):
 def test_grad_clip_norm_clips_the_global_mean_gradient(bed, zero1):
     """One momentum-SGD step with decay: ``p - lr * (clip(g) + wd * mask * p)``, the clip
     being optax.clip_by_global_norm on one device of the global mean gradient; ZeRO-1's
-    norm comes from every shard (a psum of the shards' squared norms)."""
+    norm comes from every shard (a psum of the shards' squared norms). The update's
+    grad_norm (the step's metric) is that norm before the clip, as numpy computes it in
+    float64 from the per-device sums on data:8."""
     world, plan, params0, bufs = bed
     g = _mean_gradient(plan, bufs[0])
     norm = float(np.sqrt(sum(np.sum(x.astype(np.float64) ** 2)
@@ -205,7 +210,11 @@ def test_grad_clip_norm_clips_the_global_mean_gradient(bed, zero1):
     cfg = small_config(grad_clip_norm=max_norm, weight_decay=wd, shard_optimizer_state=zero1)
     config_lib.validate(cfg, world.world_size)
     ex = exchange.from_config(cfg, plan, lr, world)
-    (got,), _ = _run_exchange(ex, world, params0, bufs[:1])
+    norms = []
+    (got,), _ = _run_exchange(ex, world, params0, bufs[:1], norms)
+    assert world.world_size == 8
+    # float32 squares summed over 77,758 elements (<= n u_32 relative), then a square root
+    np.testing.assert_allclose(norms, [norm], rtol=plan.gradient_bytes / 4 * 2.0 ** -24)
     clipped, _ = optax.clip_by_global_norm(max_norm).update(g, optax.EmptyState())
     for k, p0 in _by_path(params0).items():  # the hand computation, by name
         want = p0 - lr * (_by_path(to_host(clipped))[k] + wd * RESNET8[k][DECAY] * p0)

@@ -13,6 +13,7 @@ import dataclasses
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from helpers import (assert_each_step_within_reorder_rounding, digit_like_batches, put_like,
                      skip_train_step_compile, small_config, to_host, trainer_batch, trainer_states)
@@ -99,8 +100,8 @@ def test_tensor_parallel_collectives_by_axis(trainers):
     """The compiled step (running BN; the adamw step test's trainer: an elementwise
     optimizer adds no collective): over 'model' the f/g all-reduces of the split
     block and the head (forward g, backward f of the block, backward f of the head), the
-    one-element non-finite flag (each model rank checked its own slices) and the logits'
-    all-gather; over 'data' the two buckets (deep first) and the BN statistics; no
+    non-finite flag (each model rank checked its own slices; with it, merged, grad_norm's
+    sum of squares of each leaf split over 'model') and the logits' all-gather; over 'data' the two buckets (deep first) and the BN statistics; no
     collective over both axes."""
     tr = trainers("running", "adamw", "data:2,model:2")
     cols = comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
@@ -110,8 +111,14 @@ def test_tensor_parallel_collectives_by_axis(trainers):
         kinds.setdefault(comm.axis_of(c, mesh), []).append(c["kind"])
     assert set(kinds) == {"data", "model"}, kinds
     assert sorted(kinds["model"]) == ["all-gather"] + ["all-reduce"] * 4, kinds["model"]
+    # the flag, merged by XLA with grad_norm's sums of squares of the leaves split over
+    # 'model' (taken on the global arrays: one partial sum per split leaf)
+    specs = jax.tree_util.tree_leaves(tr.layout.params, is_leaf=lambda x: isinstance(x, P))
+    split = sum(any(a == "model" or (isinstance(a, tuple) and "model" in a) for a in s)
+                for s in specs)
+    assert split > 0
     assert sorted(c["elements"] for c in cols if comm.axis_of(c, mesh) == "model" and
-                  c["kind"] == "all-reduce")[0] == 1  # the flag
+                  c["kind"] == "all-reduce")[0] == 1 + split
     data = [c for c in cols if comm.axis_of(c, mesh) == "data"]
     sizes = [c["elements"] for c in data]
     plan = tr.plan

@@ -72,6 +72,8 @@ class Update(NamedTuple):
     sums: jax.Array     # [len(METRICS)] float32, global
     finite: jax.Array   # bool scalar, identical on every replica
     last: jax.Array     # the last collective's result (ordering anchor)
+    grad_norm: Any = None  # float32 scalar: the global norm of the mean gradient
+                           # (grad_norm_of); None: the exchange does not measure it
 
 
 class Mean(NamedTuple):
@@ -123,6 +125,17 @@ def _mean(plan: MemoryPlan, reduced, loss_scale, comm_state) -> Mean:
     inv_count = _inverse_count(sums[_COUNT], loss_scale)
     grads = jax.tree_util.tree_map(lambda g: g * inv_count, grads)
     return Mean(grads, sums, finite, comm_state, list(reduced.values())[-1])
+
+
+def grad_norm_of(grads) -> jax.Array:
+    """The global L2 norm of a gradient tree, ``sqrt(sum over leaves of sum(g**2))``
+    in float32 (optax's ``global_norm``, the norm ``optax.clip_by_global_norm`` and
+    ``torch.nn.utils.clip_grad_norm_`` clip by). Traceable per device (on replicated
+    leaves) or on global arrays: on a leaf split over mesh axes XLA's partitioner sums
+    each device's squares over the axes that split it, so every element counts once."""
+    leaves = jax.tree_util.tree_leaves(grads)
+    return jnp.sqrt(sum((jnp.sum(jnp.square(g.astype(jnp.float32))) for g in leaves),
+                        jnp.zeros((), jnp.float32)))
 
 
 def _apply(tx, grads, params, opt_state, step):
@@ -259,7 +272,8 @@ def _replicated(name, tx, plan, reduce, check_vma, init_comm, checkpoint_keys):
     def update(buffers, params, opt_state, comm_state, step, loss_scale, axis_name):
         m = mean(buffers, comm_state, step, loss_scale, axis_name)
         params, opt_state = apply(m.grads, params, opt_state, step)
-        return Update(params, opt_state, m.comm_state, m.sums, m.finite, m.last)
+        return Update(params, opt_state, m.comm_state, m.sums, m.finite, m.last,
+                      grad_norm_of(m.grads))
 
     return GradientExchange(name, init, lambda axis_name: (P(), P(axis_name)), update, check_vma,
                             checkpoint_keys, mean, apply)
@@ -384,8 +398,9 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
     Each bucket is reduce-scattered instead of all-reduced (padded to a
     multiple of N, :func:`trjax.plan.shard_layout`); each device updates its
     1/N shard of the parameters with its shard of the optimizer state, and the
-    new parameters are all-gathered. The metric sums and a non-finite flag
-    travel in one small all-reduce.
+    new parameters are all-gathered. The metric sums, a non-finite flag and
+    the sum of squares of the mean gradient (its global norm) travel in one
+    small all-reduce.
 
     Args:
       make_tx: ``mask -> optimizer`` on flat ``{bucket: shard}`` trees, e.g.
@@ -405,11 +420,12 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
         state at 0 and updates them by 0, and the all-gather drops them.
       clip_norm: > 0: the mean gradient is clipped to this global norm
         before ``make_tx``'s optimizer, with ``optax.clip_by_global_norm``'s
-        formula; the norm is of every gradient element of every shard (one
-        more all-reduce: each device's sum of squares over its shards,
-        metric sums and padding left out, ``lax.psum``), so it and the
-        clipped gradient agree with the replicated exchanges' up to the
-        order of the sum. 0: off.
+        formula; the norm is of every gradient element of every shard (each
+        device's sum of squares over its shards, metric sums and padding left
+        out, rides in the metric sums' all-reduce: no collective of its own),
+        so it and the clipped gradient agree with the replicated exchanges' up
+        to the order of the sum. 0: off. The same norm is the step's
+        ``grad_norm`` (:class:`trjax.metrics.StepMetrics`), clip or no clip.
     """
     if clip_norm < 0:
         raise ValueError(f"clip_norm={clip_norm!r} must be >= 0 (0: off)")
@@ -447,28 +463,31 @@ def shard_optimizer_state(plan: MemoryPlan, world_size: int,
                 x = collectives.after(x, previous)
             shards[b] = previous = lax.psum_scatter(x, axis_name, tiled=True)
         local_bad = 1.0 - jnp.isfinite(sum(jnp.sum(v) for v in shards.values())).astype(jnp.float32)
-        summed = lax.psum(jnp.concatenate([buffers[mb][mo:mo + len(METRICS)], local_bad[None]]),
-                          axis_name)
-        sums, finite = summed[:len(METRICS)], summed[len(METRICS)] == 0
-        inv_count = _inverse_count(sums[_COUNT], loss_scale)
-        pflat = plan.pack(params, jnp.zeros(len(METRICS)))
-        mine = {b: lax.dynamic_slice_in_dim(jnp.pad(pflat[b], (0, layout[b][0] - pflat[b].shape[0])),
-                                            rank * shard[b], shard[b]) for b in shards}
         # the optimizer gets gradient elements only: the metric sums and the padding in a
         # shard are not gradients, so they enter it as 0 (their state stays 0, no update)
         mask = {b: lax.dynamic_slice_in_dim(jnp.asarray(is_grad[b]), rank * shard[b],
                                             shard[b]) for b in shards}
+        unscale = 1.0 if loss_scale is None else 1.0 / loss_scale
+        squares = sum(jnp.sum(jnp.square(jnp.where(mask[b] > 0, g * unscale, 0.0)))
+                      for b, g in shards.items())  # this device's, of the unscaled SUMS
+        summed = lax.psum(jnp.concatenate([buffers[mb][mo:mo + len(METRICS)], local_bad[None],
+                                           squares[None]]), axis_name)
+        sums, finite = summed[:len(METRICS)], summed[len(METRICS)] == 0
+        inv_count = _inverse_count(sums[_COUNT], loss_scale)
+        # the mean gradient's global norm: every shard's gradient elements once
+        norm = jnp.sqrt(summed[len(METRICS) + 1]) / jnp.maximum(sums[_COUNT], 1.0)
+        pflat = plan.pack(params, jnp.zeros(len(METRICS)))
+        mine = {b: lax.dynamic_slice_in_dim(jnp.pad(pflat[b], (0, layout[b][0] - pflat[b].shape[0])),
+                                            rank * shard[b], shard[b]) for b in shards}
         grads = {b: jnp.where(mask[b] > 0, g * inv_count, 0.0) for b, g in shards.items()}
         if clip_norm > 0:
-            norm = jnp.sqrt(lax.psum(sum(jnp.sum(jnp.square(g)) for g in grads.values()),
-                                     axis_name))
             grads = _clip_like_optax(grads, norm, clip_norm)
         updates, opt_state = optax.with_extra_args_support(tx).update(grads, opt_state, mine,
                                                                       step=step)
         new_flat = {b: lax.all_gather(mine[b] + updates[b], axis_name,
                                       tiled=True)[:pflat[b].shape[0]] for b in shards}
         params, _ = plan.unpack(new_flat)
-        return Update(params, opt_state, comm_state, sums, finite, previous)
+        return Update(params, opt_state, comm_state, sums, finite, previous, norm)
 
     return GradientExchange("shard_optimizer_state", init,
                             lambda axis_name: (opt_specs(axis_name), P(axis_name)),

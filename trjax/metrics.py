@@ -2,9 +2,10 @@
 
 A step sums, over the real rows of its batch (mask 1), the loss, the top-1 and
 top-5 hits and the row count; the train step adds whether its update was
-applied (``finite``). The four sums travel as one ``[4]`` float32 vector in
-the deep bucket's all-reduce (the seed's R_RESULT region) and leave the step
-as a :class:`StepMetrics`.
+applied (``finite``), the loss scale after it and the global L2 norm of the
+mean gradient the optimizer received (``grad_norm``). The four sums travel as
+one ``[4]`` float32 vector in the deep bucket's all-reduce (the seed's
+R_RESULT region) and leave the step as a :class:`StepMetrics`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,12 @@ import optax
 
 METRICS = ("loss_sum", "top1_correct", "top5_correct", "count")
 """The per-step sums, in the order of the ``[4]`` vector carried in a bucket."""
+
+SUMMED = 5
+""":class:`StepMetrics`' first fields, summed by :meth:`StepMetrics.plus` (the four sums
+and ``finite``); the ones after (``loss_scale``, ``grad_norm``) are the latest step's.
+A checkpoint saves a total as its list of fields (``trjax.train.loop_io.MetricsReader``);
+one saved before ``grad_norm`` existed (six values) restores with ``grad_norm`` NaN."""
 
 
 class StepMetrics(NamedTuple):
@@ -33,6 +40,16 @@ class StepMetrics(NamedTuple):
       loss_scale: the train state's loss scale after the step (fp16 dynamic
         scaling; 1.0 otherwise), so the host reads the device's value instead
         of recomputing it; in a total, the latest step's.
+      grad_norm: the global L2 norm of the mean gradient the optimizer received
+        (after the exchange's mean over the data axis, before any clipping;
+        unscaled float32 under fp16 loss scaling; on a mesh that splits
+        parameters, of the whole leaves: each element counted once); non-finite
+        on a skipped step. In a total, the latest step's, as ``loss_scale``:
+        a norm is not a sum, and the step log reports the last step's, as
+        PyTorch loops that log ``clip_grad_norm_``'s return value and
+        Hugging Face's Trainer do. NaN: no step measured it (a total with no
+        step yet, a window restored from a checkpoint written before
+        ``grad_norm`` existed).
     """
     loss_sum: Any
     top1: Any
@@ -40,15 +57,18 @@ class StepMetrics(NamedTuple):
     count: Any
     finite: Any = 1.0
     loss_scale: Any = 1.0
+    grad_norm: Any = float("nan")
 
     @classmethod
-    def from_sums(cls, sums, finite=1.0, loss_scale=1.0) -> "StepMetrics":
+    def from_sums(cls, sums, finite=1.0, loss_scale=1.0,
+                  grad_norm=float("nan")) -> "StepMetrics":
         """From a ``[4]`` vector ordered as :data:`METRICS`."""
-        return cls(sums[0], sums[1], sums[2], sums[3], finite, loss_scale)
+        return cls(sums[0], sums[1], sums[2], sums[3], finite, loss_scale, grad_norm)
 
     @classmethod
     def zeros(cls) -> "StepMetrics":
-        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 1.0)
+        """The total of no step: sums 0, ``loss_scale`` 1, ``grad_norm`` NaN."""
+        return cls(0.0, 0.0, 0.0, 0.0, 0.0, 1.0, float("nan"))
 
     def to_host(self) -> "StepMetrics":
         """Python floats, from replicated (possibly multi-process) arrays: each
@@ -57,8 +77,9 @@ class StepMetrics(NamedTuple):
         return StepMetrics(*(float(v) for v in jax.device_get(local)))
 
     def plus(self, other: "StepMetrics") -> "StepMetrics":
-        """Sums of the two (``loss_scale``: ``other``'s, the later step's)."""
-        return StepMetrics(*(a + b for a, b in zip(self[:-1], other[:-1])), other.loss_scale)
+        """Sums of the two (``loss_scale``, ``grad_norm``: ``other``'s, the later step's)."""
+        summed = (a + b for a, b in zip(self[:SUMMED], other[:SUMMED]))
+        return StepMetrics(*summed, *other[SUMMED:])
 
     def rates(self) -> dict[str, float]:
         """``{"loss", "top1", "top5"}``: the sums over ``max(count, 1)``.

@@ -16,7 +16,11 @@ Per device, one train step is (the seed's graph order; :func:`make_train_step`):
    layer's sums and counts (STATS_COMM), chained after the last bucket;
 5. the loss scale (fp16) and a skip of the whole update when the reduced
    gradient is non-finite (every replica sees the same reduced values, so
-   they agree without another collective).
+   they agree without another collective);
+6. the metric ``grad_norm``: the global L2 norm of the mean gradient the
+   optimizer received (after the mean, before any clip, unscaled), taken by
+   the exchange (:attr:`trjax.exchange.Update.grad_norm`) or, on a mesh that
+   splits parameters, on the global arrays (:func:`_split_train_step`).
 
 The model is any flax model, as a :class:`trjax.models.Network` (a bare linen or
 nnx module is wrapped by :func:`trjax.models.as_network`): the steps standardise
@@ -44,7 +48,7 @@ from jax.sharding import PartitionSpec as P
 
 from trjax import collectives
 from trjax.batchnorm import update_running_tree
-from trjax.exchange import GradientExchange
+from trjax.exchange import GradientExchange, grad_norm_of
 from trjax.metrics import StepMetrics, batch_metrics
 from trjax.objective import (MIX_STREAM, StepOptions, check_loss_fn, cutmix_box,  # noqa: F401
                              dropout_key, example_losses, forward_backward, mix_batch,
@@ -130,7 +134,8 @@ def make_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPlan
     "label": [G] int32, "mask": [G] float32}`` sharded over the data axis.
     It returns the new state and a :class:`~trjax.metrics.StepMetrics` of the
     global sums of this step's batch (``finite`` 0.0 when the update was
-    skipped on every replica).
+    skipped on every replica) and ``grad_norm``, the global L2 norm of the mean
+    gradient the optimizer received (before any clip; unscaled under fp16).
     """
     options = StepOptions() if options is None else options
     if layout.split_axes:
@@ -176,7 +181,7 @@ def apply_gradients(state: TrainState, grads, sums, bn_sums, rules, plan: Memory
                                           up.finite)
     new = state.replace(params=up.params, opt_state=up.opt_state, comm_state=up.comm_state,
                         batch_stats=new_bs)
-    return finish_step(state, new, up.sums, finite, options)
+    return finish_step(state, new, up.sums, finite, options, up.grad_norm)
 
 
 def _local_forward_backward(layout: Layout, options: StepOptions, state: TrainState, batch):
@@ -201,11 +206,17 @@ def _statistics_and_flag(layout: Layout, batch_stats, bn_sums, rules, last, fini
     return layout.stats_rows(new_bs), finite
 
 
-def finish_step(state: TrainState, new: TrainState, sums, finite, options: StepOptions):
+def finish_step(state: TrainState, new: TrainState, sums, finite, options: StepOptions,
+                grad_norm=None):
     """The loss scale's update, and ``new``'s params, optimizer, comm and BN
     states where ``finite``, else ``state``'s (the skip of a non-finite
     update); the step and skip counters advanced. Elementwise: per device or
     on global arrays alike.
+
+    Args:
+      grad_norm: the global norm of the mean gradient the optimizer received
+        (:func:`trjax.exchange.grad_norm_of`), or ``None`` (an exchange that
+        does not measure it: NaN).
 
     Returns:
       ``(new_state, StepMetrics)`` of the global metric ``sums``.
@@ -224,7 +235,9 @@ def finish_step(state: TrainState, new: TrainState, sums, finite, options: StepO
         opt_state=keep(new.opt_state, state.opt_state),
         skipped_steps=state.skipped_steps + (1 - finite.astype(jnp.int32)),
         loss_scale=loss_scale, good_steps=good_steps)
-    return new_state, StepMetrics.from_sums(sums, finite.astype(jnp.float32), loss_scale)
+    grad_norm = jnp.float32(jnp.nan) if grad_norm is None else grad_norm
+    return new_state, StepMetrics.from_sums(sums, finite.astype(jnp.float32), loss_scale,
+                                            grad_norm.astype(jnp.float32))
 
 
 def _split_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPlan,
@@ -240,7 +253,10 @@ def _split_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPl
     own optax chain) is thus the norm of the unsplit leaf: XLA's partitioner
     sums each split leaf's squares over the axes that split it (MaxText's and
     big_vision's way); elementwise optimizers stay on each device's slices, with
-    no collective.
+    no collective. The step's ``grad_norm`` is taken there too, of the same
+    global mean gradient (:func:`trjax.exchange.grad_norm_of`): each element of a
+    split leaf once, a stage-owned leaf's padding never (the global arrays hold
+    whole leaves).
 
     Raises:
       ValueError: an exchange without ``mean``/``apply`` (ZeRO-1: refused on
@@ -269,7 +285,7 @@ def _split_train_step(layout: Layout, exchange: GradientExchange, plan: MemoryPl
         params, opt_state = exchange.apply(grads, state.params, state.opt_state, state.step)
         new = state.replace(params=params, opt_state=opt_state, comm_state=comm_state,
                             batch_stats=new_bs)
-        new_state, metrics = finish_step(state, new, sums, finite, options)
+        new_state, metrics = finish_step(state, new, sums, finite, options, grad_norm_of(grads))
         return _constrain(new_state, specs, mesh), metrics
 
     return train_step

@@ -306,7 +306,8 @@ class Run:
     def _on_log_row(self, row: dict) -> None:
         self.say(f"step {row['step']:6d}  loss {row['loss']:.4f} top1 {row['top1']:.4f}  "
                  f"lr {row['lr']:.4g}  loss_scale {row['loss_scale']:g}  "
-                 f"skipped {row['skipped_steps']}  {row['images_per_s']:.0f} img/s")
+                 f"grad_norm {row['grad_norm']:.4g}  skipped {row['skipped_steps']}  "
+                 f"{row['images_per_s']:.0f} img/s")
         if self.step_log is not None:
             self.step_log.write(row)
         if self.tb is not None:
@@ -424,7 +425,8 @@ class Run:
                **{f"val_{k}": val[k] for k in ("loss", "top1", "top5", "ema_loss", "ema_top1",
                                                "ema_top5") if k in val},
                "images_per_s": sums.count / epoch_s, "epoch_s": epoch_s,
-               "lr": float(self.lr_table[step_index - 1])}  # what the epoch's last step used
+               "lr": float(self.lr_table[step_index - 1]),  # what the epoch's last step used
+               "grad_norm": sums.grad_norm}  # the epoch's last step's (StepMetrics.grad_norm)
         if self.writer is not None:
             self.writer.write(row)
         self.save(epoch + 1, 0)

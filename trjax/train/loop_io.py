@@ -94,12 +94,16 @@ def save_config(config, workdir: str, resuming: bool, write: bool = True) -> lis
     return changed
 
 
-STEP_SCALARS = ("loss", "top1", "images_per_s", "lr", "loss_scale", "skipped_steps")
+STEP_SCALARS = ("loss", "top1", "images_per_s", "lr", "loss_scale", "skipped_steps", "grad_norm")
 """The step-log row's values written to TensorBoard (under :func:`step_tag`)."""
+
+STEP_SCALARS_OPTIONAL = ("grad_norm",)
+"""Step-log values that rows written before they existed lack: a resumed run rebuilds
+such rows' other scalars into TensorBoard (:func:`open_tensorboard`), not these."""
 
 STEP_TAGS = {"loss": "loss/train_step", "top1": "top1/train_step", "lr": "lr/step",
              "images_per_s": "throughput/images_per_s_step", "loss_scale": "loss_scale/step",
-             "skipped_steps": "skipped_steps/step"}
+             "skipped_steps": "skipped_steps/step", "grad_norm": "grad_norm/step"}
 """TensorBoard tag of each step-log value: grouped by quantity (the part before ``/``),
 beside the epoch rows' (:func:`epoch_tag`)."""
 
@@ -128,9 +132,11 @@ def step_tag(key: str) -> str:
 
 
 def tensorboard_step_row(tb, row: dict) -> None:
-    """A step-log row (``steps.jsonl``) as TensorBoard scalars (:func:`step_tag`)."""
+    """A step-log row (``steps.jsonl``) as TensorBoard scalars (:func:`step_tag`); a
+    value of :data:`STEP_SCALARS_OPTIONAL` the row lacks (an older trjax's) is left out."""
     for k in STEP_SCALARS:
-        tb.add_scalar(step_tag(k), row[k], row["step"])
+        if k in row or k not in STEP_SCALARS_OPTIONAL:
+            tb.add_scalar(step_tag(k), row[k], row["step"])
 
 
 def tensorboard_epoch_row(tb, row: dict) -> None:
@@ -213,7 +219,8 @@ def open_tensorboard(config, workdir: str, say, resume: bool = False):
         if resume and os.path.isfile(path):
             for row in read_rows(path):
                 if "step" in row and (write is tensorboard_epoch_row or
-                                      all(k in row for k in STEP_SCALARS)):
+                                      all(k in row for k in STEP_SCALARS
+                                          if k not in STEP_SCALARS_OPTIONAL)):
                     write(tb, row)
     return tb
 
@@ -338,7 +345,9 @@ class MetricsReader:
                # images were trained before the restart, outside the time measured here)
                "images_per_s": (w.count - self._window_restored) / max(now - self.window_t0, 1e-9),
                "lr": float(self.lr_of_step(step)), "loss_scale": self.scale,
-               "skipped_steps": self.skipped_total, "examples": w.count}
+               "skipped_steps": self.skipped_total, "examples": w.count,
+               # the window's last step's (StepMetrics.grad_norm), as loss_scale
+               "grad_norm": w.grad_norm}
         self.window, self.window_t0, self._window_restored = StepMetrics.zeros(), now, 0.0
         if self.on_log_row is not None:
             self.on_log_row(row)
