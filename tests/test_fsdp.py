@@ -230,3 +230,36 @@ def test_your_own_model_on_fsdp_equals_data_parallel(kind):
     va, vb = trainer.evaluate_pass(fs, put_like(a0, fs.state)), \
         trainer.evaluate_pass(dp, put_like(a0, dp.state))
     np.testing.assert_allclose(va["sums"], vb["sums"], rtol=1e-4)
+
+
+def test_a_model_whose_leaves_all_share_one_bucket_sums_its_metrics_over_fsdp():
+    """A tiny model (conv 1->8, pool, dense 8->10) puts every leaf in the plan's 'first'
+    bucket, so the metric sums' 'deep' bucket holds no leaf. Its reduce-scatter over fsdp
+    still runs (shards.bucket_groups keeps it): the step counts all 32 rows, not one
+    device's 4, and its mean gradient (grad_norm, the update) is data:8's, not 8 times it
+    (found by scripts/torch_clip_check.py against torch)."""
+    import flax.linen as nn
+    from helpers import assert_within_bound_except_still
+    from trjax import steps
+    from trjax.data import input_pipeline as ip
+    data = ip.load_digits()
+    batch = {"image": data.train.images[:GLOBAL], "label": data.train.labels[:GLOBAL],
+             "mask": np.ones(GLOBAL, np.float32)}
+    runs = {}
+    for mesh in ("data:8", "fsdp:8"):
+        model = nn.Sequential([nn.Conv(8, (3, 3)), nn.relu, lambda x: x.mean(axis=(1, 2)),
+                               nn.Dense(10)])
+        tr = trainer.prepare(_config("sync", "sgd", mesh, grad_clip_norm=0.0), data,
+                             model=model)
+        assert not any(s.bucket == tr.plan.metrics_slot[0] for s in tr.plan.slots)
+        state = trainer.train_state_program(0, tr.layout, tr.exchange).finish()
+        start = to_host(state.params)
+        step = jax.jit(steps.make_train_step(tr.layout, tr.exchange, tr.plan,
+                                             trainer.step_options(tr)))
+        after, m = step(state, ip.to_device(batch, tr.world.sharded(), 10))
+        runs[mesh] = start, to_host(after.params), to_host(m)
+    (s0, a0, m0), (s1, a1, m1) = runs["data:8"], runs["fsdp:8"]
+    assert m1.count == m0.count == GLOBAL and m1.top1 == m0.top1
+    np.testing.assert_allclose(m1.loss_sum, m0.loss_sum, rtol=1e-5)
+    np.testing.assert_allclose(m1.grad_norm, m0.grad_norm, rtol=1e-5)
+    assert_within_bound_except_still(a1, a0, s0, GLOBAL)

@@ -117,11 +117,14 @@ def combined_specs(dims, inner, axis: str):
 def bucket_groups(plan) -> list[tuple[str, list[int]]]:
     """``[(bucket, [leaf index, ...]), ...]`` in the plan's bucket order (the
     order of its collectives), each bucket's leaves in their order in it; the
-    index is a leaf's position in the flattened parameter tree."""
+    index is a leaf's position in the flattened parameter tree. The bucket of
+    the metric sums is kept even when it holds no leaf (a small model whose
+    leaves all sit in the other bucket): FSDP's reduce-scatter of it is what sums
+    the metric sums, the global count included, over ``fsdp``."""
     members: dict = {b: [] for b in plan.bucket_elements}
     for i, slot in sorted(enumerate(plan.slots), key=lambda s: s[1].offset):
         members[slot.bucket].append(i)
-    return [(b, m) for b, m in members.items() if m]
+    return [(b, m) for b, m in members.items() if m or b == plan.metrics_slot[0]]
 
 
 def to_rows(g, d, size):
