@@ -24,10 +24,10 @@ STEPS = 3
 
 
 def _config(bn_mode, optimizer, mesh="", **kw):
-    kw = dict(global_batch_size=GLOBAL, eval_batch_size=GLOBAL, bn_mode=bn_mode,
-              warmup_epochs=0, optimizer=optimizer,
-              learning_rate=0.1 if optimizer == "sgd" else 0.003,
-              **({"adam_eps": 1.0} if optimizer == "adamw" else {}), **kw)
+    kw = {**dict(global_batch_size=GLOBAL, eval_batch_size=GLOBAL, bn_mode=bn_mode,
+                 warmup_epochs=0, optimizer=optimizer,
+                 learning_rate=0.1 if optimizer == "sgd" else 0.003,
+                 **({"adam_eps": 1.0} if optimizer == "adamw" else {})), **kw}
     return small_config(devices="8", mesh=mesh, **kw)
 
 
@@ -140,6 +140,44 @@ def test_fsdp_collectives_by_axis(trainers):
     assert got == model["all_gather"] + model["reduce_scatter"] + 4 + 4 * split
 
 
+def test_reshard_after_forward_gathers_each_bucket_again(trainers):
+    """Issue 51, item 2: ``fsdp_reshard_after_forward=True`` on data:2,fsdp:4 at 1 row per
+    device, one compiled step for every assertion. Pinned from the built program: the
+    layout records the key, the step is compiled with remat's barriers kept, and its HLO
+    holds two all-gathers per bucket over fsdp (the backward's are not CSE'd into the
+    forward's), one reduce-scatter per bucket; the bytes over fsdp are the byte model's
+    (3(F-1)/F |params| sent by a ring: one more all-gather); XLA's temp is at most data:8's
+    plus one bucket's gathered bytes; one step lands within the bound of data:8's."""
+    fs = trainers("running", "sgd", "data:2,fsdp:4", global_batch_size=8,
+                  eval_batch_size=8, fsdp_reshard_after_forward=True)
+    dp = trainers("running", "sgd", global_batch_size=8, eval_batch_size=8)
+    assert fs.world.local_batch_size == 1 and fs.layout.describe()["fsdp_reshard_after_forward"]
+    assert fs.layout.compile_options == fsdp.REGATHER_OPTIONS
+    cols = comm.collectives_in_hlo(comm.hlo_text(fs.train_step.compiled))
+    over = [c for c in cols if comm.axis_of(c, fs.world.mesh) == "fsdp"]
+    buckets = len(shards.bucket_groups(fs.plan))
+    kinds = sorted(c["kind"] for c in over)
+    assert kinds == ["all-gather"] * 2 * buckets + ["all-reduce"] + ["reduce-scatter"] * buckets
+    model = fs.layout.details["fsdp_traffic_bytes"]
+    assert model["gathers"] == 2
+    got = comm.by_axis([c for c in over if c["kind"] != "all-reduce"], fs.world.mesh)["fsdp"]
+    assert got["bytes"] == model["all_gather"] + model["reduce_scatter"]
+    assert got["sent_bytes"] == pytest.approx(model["ring"], rel=1e-12)
+    split = model["params_bytes"] - 4 * model["whole_leaves"]  # 3(F-1)/F of the split leaves
+    assert model["ring"] == pytest.approx(3 * 3 / 4 * split + 3 * 4 * (model["whole_leaves"] + 4),
+                                          rel=1e-12)
+    one_bucket = 4 * max(fs.plan.bucket_elements.values()) * 4  # gathered: F x the local
+    temp, ref_temp = fs.train_step.memory()["temp"], dp.train_step.memory()["temp"]
+    print(f"reshard temp {temp} vs data:8 {ref_temp} + one bucket {one_bucket}")
+    assert temp <= ref_temp + one_bucket
+    batches = digit_like_batches(1, 8, padding=(3,))
+    start = to_host(dp.state)
+    ref, _ = trainer_states(dataclasses.replace(dp, state=put_like(start, dp.state)), batches)
+    worst, _ = assert_each_step_within_reorder_rounding(
+        ref, lambda s, b: fs.train_step(s, trainer_batch(fs, b)), fs.state, batches, 1 * 64)
+    print(f"reshard: worst leaf / bound {worst:.3g}")
+
+
 def test_rows_round_trip_and_shard_dims():
     """A leaf split along any dimension into rows and back is the same bits; the split
     dimension is the last that divides (a dense kernel [64, 10] on 4 devices: its inputs)."""
@@ -161,12 +199,27 @@ def test_rows_round_trip_and_shard_dims():
      ["config.bn_mode='local'", "a 'stage' axis with an 'fsdp' axis", "'running' or 'sync'"]),
     (dict(shard_optimizer_state=True), ["shard_optimizer_state=True", "already shards"]),
     (dict(mesh="fsdp:4,data:2"), ["order", "data:2,fsdp:4"]),
-    (dict(global_batch_size=12), ["data x fsdp", "size 8"])])
+    (dict(global_batch_size=12), ["data x fsdp", "size 8"]),
+    (dict(mesh="data:4,model:2", fsdp_reshard_after_forward=True),
+     ["fsdp_reshard_after_forward=True", "an 'fsdp' axis", "set it to False", "data:2,fsdp:4"]),
+    (dict(mesh="data:2,fsdp:2,stage:2", fsdp_reshard_after_forward=True),
+     ["fsdp_reshard_after_forward=True", "'stage' axis", "set it to False"]),
+    (dict(remat="blocks", fsdp_reshard_after_forward=True),
+     ["fsdp_reshard_after_forward=True", "config.remat='blocks'", "remat='none'"]),
+    (dict(fsdp_reshard_after_forward="yes"),
+     ["fsdp_reshard_after_forward='yes'", "must be True or False"])])
 def test_bad_fsdp_configs_are_refused_before_compiling(change, words, monkeypatch):
-    """Each message names the key and the fix; nothing is compiled."""
+    """Each message names the key and the fix; nothing is compiled. (A config file may
+    hold a string where default.py holds a bool: ml_collections types only overrides.)"""
     from trjax import aot
     monkeypatch.setattr(aot, "compile_step", lambda *a, **k: pytest.fail("compiled"))
-    c = small_config(**{"devices": "8", "mesh": "data:2,fsdp:4", **change})
+    if change.get("fsdp_reshard_after_forward") == "yes":
+        c = small_config(devices="8", mesh="data:2,fsdp:4")
+        del c["fsdp_reshard_after_forward"]
+        c.fsdp_reshard_after_forward = "yes"
+        change = {}
+    else:
+        c = small_config(**{"devices": "8", "mesh": "data:2,fsdp:4", **change})
     with pytest.raises(ValueError) as e:
         trainer.setup(c)
     for w in words:

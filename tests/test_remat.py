@@ -136,6 +136,10 @@ def test_benchmark_options_after_a_mesh_and_the_batch_a_budget_fits():
                            "remat": "blocks"})
     with pytest.raises(ValueError, match="option 'reshard' is not one of"):
         parallel.split_name("data:8 reshard")
+    assert parallel.split_name("data:2,fsdp:4 reshard:1") == (
+        "data:2,fsdp:4", {"fsdp_reshard_after_forward": True})
+    with pytest.raises(ValueError, match="not one of 1, 0, true, false"):
+        parallel.split_name("data:2,fsdp:4 reshard:yes")
     assert parallel._with_references(["data:8", "data:8 remat:blocks"], 4) == [
         ("data:8", None), ("data:8 remat:blocks", "data:8")]
     # 10 MiB fixed (arguments + outputs - donated), 2 MiB temp per row; budget 31 MiB:

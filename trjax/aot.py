@@ -255,7 +255,7 @@ def dealias(tree, seen: set | None = None):
 
 
 def compile_step(name: str, fn: Callable, *example_args, donate_argnums=(),
-                 traced=None) -> CompiledStep:
+                 traced=None, options: dict | None = None) -> CompiledStep:
     """Lowers and compiles ``fn`` for the shapes/shardings of ``example_args``.
 
     ``example_args`` may be arrays or ``jax.ShapeDtypeStruct`` with sharding;
@@ -265,16 +265,19 @@ def compile_step(name: str, fn: Callable, *example_args, donate_argnums=(),
     by the lowered program, serves the executable when it holds it.
 
     XLA compiles it with :func:`trjax.cpu.compile_options.step_options` (trjax's
-    XLA:CPU options on CPU devices, XLA's defaults elsewhere). ``traced``: the
-    ``jax.jit(fn, donate_argnums=...).trace(*abstract(example_args))`` already made
-    (its jaxpr read first, e.g. by the planner), lowered instead of tracing again.
+    XLA:CPU options on CPU devices, XLA's defaults elsewhere), and on CPU devices
+    with ``options`` too (a layout's :attr:`~trjax.parallel.layout.Layout.compile_options`).
+    ``traced``: the ``jax.jit(fn, donate_argnums=...).trace(*abstract(example_args))``
+    already made (its jaxpr read first, e.g. by the planner), lowered instead of
+    tracing again.
     """
     sig = abstract(example_args)
     t0 = time.perf_counter()
     if traced is None:
         traced = jax.jit(fn, donate_argnums=donate_argnums).trace(*sig)
     lowered = traced.lower()
-    compiled = compile_lowered(lowered, step_options(sig))
+    cpu = step_options(sig)
+    compiled = compile_lowered(lowered, cpu if cpu is None else {**cpu, **(options or {})})
     step = CompiledStep(name, compiled, sig, time.perf_counter() - t0, donate_argnums,
                         lowered.as_text())
     step.fn = fn  # the function compiled (scripts/benchmark.py compiles it again undonated)

@@ -45,6 +45,10 @@ class StepOptions(NamedTuple):
         and mixing (see :func:`forward_backward`). The metrics' ``loss_sum``
         is then that loss; the evaluation step always measures the plain
         cross-entropy.
+      objective_wrap: set by a layout, never by the config: ``objective ->
+        objective``, applied to the per-micro-batch objective ``(params, micro,
+        index) -> (loss, aux)`` before it is differentiated (FSDP's re-gather
+        in the backward, :func:`trjax.parallel.fsdp.regathering`); ``None``: none.
     """
     dynamic_loss_scale: bool = False
     growth_interval: int = 2000
@@ -54,6 +58,7 @@ class StepOptions(NamedTuple):
     label_smoothing: float = 0.0
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
+    objective_wrap: Any = None
 
 
 def dropout_key(seed: int, step, rank, micro=None):
@@ -227,7 +232,7 @@ def forward_backward(model, params, batch_stats, batch, loss_scale=None,
                      grad_accumulation_steps: int = 1, padding: bool = True,
                      bn_mode: str = "sync", axis_name=None, rng=None, loss_fn=None,
                      label_smoothing: float = 0.0, mixup_alpha: float = 0.0,
-                     cutmix_alpha: float = 0.0):
+                     cutmix_alpha: float = 0.0, objective_wrap=None):
     """Per device: gradients of the summed loss, metric sums, BN batch sums.
 
     Args:
@@ -263,6 +268,9 @@ def forward_backward(model, params, batch_stats, batch, loss_scale=None,
         loss taken on the soft target; padding rows stay padding (mask 0).
         Both > 0: each micro-batch draws one of the two with probability 1/2
         (timm's ``switch_prob``). Needs ``rng``.
+      objective_wrap: ``None``, or a function applied to the per-micro-batch
+        objective ``(params, micro, index) -> (loss, (sums, bn_sums))`` before
+        differentiation (:attr:`StepOptions.objective_wrap`).
 
     Returns:
       ``(grads, sums [4] float32, bn_sums, rules)``; gradients of
@@ -299,7 +307,8 @@ def forward_backward(model, params, batch_stats, batch, loss_scale=None,
         loss = sums[0] if loss_scale is None else sums[0] * loss_scale
         return loss, (sums, micro_sums)
 
-    grad_fn = jax.value_and_grad(objective, has_aux=True)
+    grad_fn = jax.value_and_grad(objective if objective_wrap is None else objective_wrap(objective),
+                                 has_aux=True)
     k = grad_accumulation_steps
     if k == 1:
         (_, (sums, bn_sums)), grads = grad_fn(params, batch, 0)

@@ -64,6 +64,9 @@ def get_config() -> ml_collections.ConfigDict:
     #                                residual blocks, a Sequential's layers) or module paths,
     #                                "layers_*,encoder/*Block_*" (trjax.remat)
     c.remat_policy = "nothing_saveable"  # what a remat block keeps: trjax.remat.POLICIES
+    c.fsdp_reshard_after_forward = False  # an 'fsdp' mesh: free the gathered parameters after
+    #                                the forward, the backward gathers each bucket again
+    #                                (FSDP2's reshard_after_forward; docs/parallelism.md)
     c.global_batch_size = 128
     c.eval_batch_size = 128        # global; must divide by the world size too
     # model

@@ -85,6 +85,8 @@ class Layout:
         that every device applies or skips the same update, and the optimizer
         runs on global arrays outside ``shard_map`` (:func:`trjax.steps.make_train_step`:
         a norm over a split leaf is the unsplit leaf's).
+      compile_options: XLA:CPU options the train step needs beside trjax's own
+        (:data:`trjax.parallel.fsdp.REGATHER_OPTIONS`); ``{}``: none.
     """
     world: Any
     model: Any
@@ -109,6 +111,7 @@ class Layout:
     collective_labels: dict = dataclasses.field(default_factory=dict)
     gather: Callable = lambda params: params
     split_axes: tuple = ()
+    compile_options: dict = dataclasses.field(default_factory=dict)
 
     @property
     def kind(self) -> str:
@@ -216,7 +219,7 @@ def data_forward_backward(network, bn_mode: str, axis: str, params, batch_stats,
     return objective.forward_backward(
         network, lax.pcast(params, axis, to="varying"), batch_stats, batch, loss_scale,
         o.grad_accumulation_steps, o.padding, bn_mode, axis, rng, o.loss_fn,
-        o.label_smoothing, o.mixup_alpha, o.cutmix_alpha)
+        o.label_smoothing, o.mixup_alpha, o.cutmix_alpha, o.objective_wrap)
 
 
 def data_parallel(model, world, image_shape, bn_mode: str = "sync") -> Layout:

@@ -11,6 +11,7 @@ The one place that reads a mesh's axis names: ``data`` only is
 from __future__ import annotations
 
 from trjax.parallel import fsdp, pipeline, tensor
+from trjax.remat import parse as remat_parse
 from trjax.parallel.layout import Layout, data_parallel
 from trjax.world import FSDP_AXIS, MODEL_AXIS, STAGE_AXIS
 
@@ -48,7 +49,8 @@ def from_config(config, world, model, image_shape) -> Layout:
                               _stage_plan(config, world, model, image_shape),
                               remat=config.pipeline_remat, schedule=config.pipeline_schedule)
     if FSDP_AXIS in sizes:
-        out = fsdp.layout(out, config.buckets)
+        out = fsdp.layout(out, config.buckets, config.get("fsdp_reshard_after_forward", False),
+                          config.grad_accumulation_steps)
     return out
 
 
@@ -87,6 +89,7 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
     stage, model = STAGE_AXIS in sizes, MODEL_AXIS in sizes  # size 1 too: a GPU's 1 x 1 check
     sharded = FSDP_AXIS in sizes
     _check_pipeline_keys(c, stage, model)
+    _check_reshard(c, sharded, stage)
     if not (stage or model or sharded):
         return
     kind = ("a 'stage' axis with an 'fsdp' axis" if sharded and stage else
@@ -124,6 +127,38 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
             raise ValueError(f"config.{key}={c[key]!r} is not supported with {kind} "
                              f"(config.mesh={c.mesh!r}): set it to {fix}, or use a mesh with "
                              "the data axis only")
+
+
+def _check_reshard(c, sharded: bool, stage: bool) -> None:
+    """``config.fsdp_reshard_after_forward``: a bool, and ``True`` only on an ``fsdp``
+    mesh without a ``stage`` axis and without ``config.remat`` (its re-gather is a
+    ``jax.checkpoint`` around the whole objective, whose policy jax applies to every
+    checkpoint inside it: the pipeline's stage recomputation and remat's blocks would
+    silently keep their activations).
+
+    Raises:
+      ValueError: naming the key, its value and the fix.
+    """
+    v = c.get("fsdp_reshard_after_forward", False)
+    if not isinstance(v, bool):
+        raise ValueError(f"config.fsdp_reshard_after_forward={v!r} must be True or False "
+                         "(True: the backward gathers each bucket again instead of keeping "
+                         "the forward's copy)")
+    if not v:
+        return
+    if not sharded:
+        raise ValueError("config.fsdp_reshard_after_forward=True applies to a mesh with an "
+                         f"'fsdp' axis (config.mesh={c.mesh!r}): set it to False or shard the "
+                         "parameters, e.g. mesh='data:2,fsdp:4'")
+    if stage:
+        raise ValueError("config.fsdp_reshard_after_forward=True is not supported with a "
+                         f"'stage' axis (config.mesh={c.mesh!r}): the pipeline gathers and "
+                         "recomputes per stage itself; set it to False")
+    if remat_parse(c.remat):
+        raise ValueError(f"config.fsdp_reshard_after_forward=True cannot be combined with "
+                         f"config.remat={c.remat!r}: the re-gather's checkpoint policy would "
+                         "override remat's (jax applies the outermost one); set remat='none' "
+                         "or fsdp_reshard_after_forward=False")
 
 
 def _check_pipeline_keys(c, stage: bool, model: bool) -> None:

@@ -98,6 +98,8 @@ KEYS = {
     # memory: what the backward recomputes (trjax.remat); values within one step's rounding
     "remat": Key("str", **_WHERE),  # checked by trjax.remat.parse / resolve
     "remat_policy": Key("choice", tuple(remat_lib.POLICIES), **_WHERE),
+    # FSDP: the backward gathers the parameters again (checked by parallel.mesh.check_config)
+    "fsdp_reshard_after_forward": Key("bool", **_WHERE),
     "tensor_plan": Key("str", **_WHERE),  # checked by trjax.parallel.tensor.parse / resolve
     "global_batch_size": Key("int", 1, **_MATCH),
     "eval_batch_size": Key("int", 1),

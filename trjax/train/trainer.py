@@ -317,7 +317,8 @@ def setup(config: ml_collections.ConfigDict,
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="trjax-init") as pool:
         pending_state = pool.submit(contextvars.copy_context().run, init.finish)
         train_step = aot.compile_step("train_step", make_train_step(tr), init.abstract,
-                                      example(world.global_batch_size), donate_argnums=0)
+                                      example(world.global_batch_size), donate_argnums=0,
+                                      options=tr.layout.compile_options)
         fold_bn = aot.compile_step("fold_bn", steps.make_fold_bn(tr.layout), init.abstract)
         folded = fold_bn.compiled.out_info  # ShapeDtypeStructs with shardings
         eval_step = aot.compile_step("eval_step", steps.make_eval_step(tr.layout),
