@@ -2,7 +2,8 @@
 
 Per mesh shape (``--meshes``, default ``data:8;data:2,stage:4;data:4,model:2``; options
 may follow a mesh, :data:`OPTIONS`: ``"data:8;data:8 remat:blocks;data:2,stage:4
-schedule:zb-h1 M:8"``), one trainer is built by ``trjax.train.trainer.setup`` for the same model, image size and
+schedule:zb-h1 M:8;data:2,fsdp:4 reshard:1"``), one trainer is built by
+``trjax.train.trainer.setup`` for the same model, image size and
 global batch; the train steps are then timed in interleaved rounds
 (:func:`benchmarking.variants.interleave`). Reported per mesh:
 
@@ -34,9 +35,22 @@ import os
 import time
 
 
+def _flag(value: str) -> bool:
+    """``"1"``/``"true"`` -> True, ``"0"``/``"false"`` -> False (``reshard:1``).
+
+    Raises:
+      ValueError: anything else, naming the accepted values.
+    """
+    v = str(value).strip().lower()
+    if v not in ("1", "0", "true", "false"):
+        raise ValueError(f"option value {value!r} is not one of 1, 0, true, false")
+    return v in ("1", "true")
+
+
 OPTIONS = {"accum": ("grad_accumulation_steps", int), "remat": ("remat", str),
            "policy": ("remat_policy", str), "schedule": ("pipeline_schedule", str),
-           "M": ("pipeline_microbatches", int)}
+           "M": ("pipeline_microbatches", int),
+           "reshard": ("fsdp_reshard_after_forward", _flag)}
 """The options a ``--meshes`` entry may name after its mesh (``key:value``) and the
 config keys they set."""
 

@@ -65,7 +65,8 @@ class JaxVariant:
             # the function the trainer compiled (its gradient exchange: compression, ZeRO-1,
             # accumulation included), compiled again for the same arguments without donation
             nodonate = aot.compile_step("train_step_no_donation", tr.train_step.fn,
-                                        *tr.train_step.signature)
+                                        *tr.train_step.signature,
+                                        options=tr.layout.compile_options)
             self.info["memory_not_donated"] = nodonate.memory()
             self.info["compile_s_not_donated"] = nodonate.compile_s
             # the same program apart from aliasing: the flops agree, to the few scalar ops
