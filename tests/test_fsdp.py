@@ -204,6 +204,8 @@ def test_rows_round_trip_and_shard_dims():
      ["fsdp_reshard_after_forward=True", "an 'fsdp' axis", "set it to False", "data:2,fsdp:4"]),
     (dict(mesh="data:2,fsdp:2,stage:2", fsdp_reshard_after_forward=True),
      ["fsdp_reshard_after_forward=True", "'stage' axis", "set it to False"]),
+    (dict(grad_accumulation_steps=2, fsdp_reshard_after_forward=True),
+     ["fsdp_reshard_after_forward=True", "grad_accumulation_steps=1", "byte model"]),
     (dict(remat="blocks", fsdp_reshard_after_forward=True),
      ["fsdp_reshard_after_forward=True", "config.remat='blocks'", "remat='none'"]),
     (dict(fsdp_reshard_after_forward="yes"),

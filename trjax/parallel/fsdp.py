@@ -237,8 +237,7 @@ def traffic(dims, params, size: int, itemsize: int = 4, gathers: int = 1) -> dic
     """What one step issues over ``fsdp`` per device, as
     :func:`trjax.comm.by_axis` counts it (each collective's result bytes):
     ``all_gather`` = the split leaves' whole bytes, ``gathers`` times (1; with
-    ``config.fsdp_reshard_after_forward`` 2 per micro-batch: the backward's
-    re-gather); ``reduce_scatter`` = their 1/F shards plus the whole leaves and
+    ``config.fsdp_reshard_after_forward`` 2: the backward's re-gather); ``reduce_scatter`` = their 1/F shards plus the whole leaves and
     metric sums; ``ring`` the bytes a ring sends: (F-1)/F of each all-gather's
     result and of each reduce-scatter's input, (gathers + 1)(F-1)/F |params| in all
     (2(F-1)/F without resharding, 3(F-1)/F with it)."""
@@ -260,8 +259,7 @@ barriers anyway): ``jax.checkpoint``'s optimization barriers stay, so CSE does n
 merge the backward's all-gathers into the forward's (:mod:`trjax.cpu.host`)."""
 
 
-def layout(base: Layout, buckets: str = "two", reshard: bool = False,
-           micro_batches: int = 1) -> Layout:
+def layout(base: Layout, buckets: str = "two", reshard: bool = False) -> Layout:
     """``base`` with what each of its devices holds sharded over ``fsdp`` (FSDP /
     ZeRO-3): the batch splits over ``data x fsdp`` (the world's ``axis_name``),
     each leaf of ``base``'s slice splits along one more dimension
@@ -278,12 +276,10 @@ def layout(base: Layout, buckets: str = "two", reshard: bool = False,
         all-gather and one reduce-scatter per bucket.
       reshard: ``config.fsdp_reshard_after_forward``: the gathered parameters
         are freed after the forward and the backward gathers each bucket again
-        (:func:`regathering`): two all-gathers per bucket and micro-batch, and
-        at most one bucket of gathered parameters live at a time beside the
-        activations. ``False``: one all-gather per bucket and step, kept through
-        the backward.
-      micro_batches: ``config.grad_accumulation_steps`` (each micro-batch
-        gathers again when ``reshard``): for the byte model only.
+        (:func:`regathering`): two all-gathers per bucket and step (one
+        micro-batch: :func:`trjax.parallel.mesh.check_config` refuses
+        accumulation with it). ``False``: one all-gather per bucket and step,
+        kept through the backward.
 
     Raises:
       ValueError: a model none of whose parameters divide by the axis size
@@ -308,7 +304,7 @@ def layout(base: Layout, buckets: str = "two", reshard: bool = False,
                                    axis_name=FSDP_AXIS)
     whole = [jax.tree_util.keystr(p) for (p, _), d in
              zip(jax.tree_util.tree_flatten_with_path(params)[0], flat_dims) if d is None]
-    gathers = 2 * micro_batches if reshard else 1
+    gathers = 2 if reshard else 1
     again = ", again in the backward" if reshard else ""
     labels = {FSDP_AXIS: {"all-gather": f"fsdp:parameters (all-gather per bucket{again})",
                           "reduce-scatter": "fsdp:gradients (reduce-scatter per bucket)",

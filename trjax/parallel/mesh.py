@@ -49,8 +49,7 @@ def from_config(config, world, model, image_shape) -> Layout:
                               _stage_plan(config, world, model, image_shape),
                               remat=config.pipeline_remat, schedule=config.pipeline_schedule)
     if FSDP_AXIS in sizes:
-        out = fsdp.layout(out, config.buckets, config.get("fsdp_reshard_after_forward", False),
-                          config.grad_accumulation_steps)
+        out = fsdp.layout(out, config.buckets, config.get("fsdp_reshard_after_forward", False))
     return out
 
 
@@ -131,7 +130,9 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
 
 def _check_reshard(c, sharded: bool, stage: bool) -> None:
     """``config.fsdp_reshard_after_forward``: a bool, and ``True`` only on an ``fsdp``
-    mesh without a ``stage`` axis and without ``config.remat`` (its re-gather is a
+    mesh without a ``stage`` axis, without gradient accumulation (XLA merges some
+    micro-batches' gathers: the byte model would not hold) and without
+    ``config.remat`` (its re-gather is a
     ``jax.checkpoint`` around the whole objective, whose policy jax applies to every
     checkpoint inside it: the pipeline's stage recomputation and remat's blocks would
     silently keep their activations).
@@ -154,6 +155,13 @@ def _check_reshard(c, sharded: bool, stage: bool) -> None:
         raise ValueError("config.fsdp_reshard_after_forward=True is not supported with a "
                          f"'stage' axis (config.mesh={c.mesh!r}): the pipeline gathers and "
                          "recomputes per stage itself; set it to False")
+    if c.grad_accumulation_steps != 1:
+        raise ValueError(f"config.fsdp_reshard_after_forward=True needs "
+                         f"config.grad_accumulation_steps=1 (got {c.grad_accumulation_steps}): "
+                         "each micro-batch would gather again, and XLA merges some of those "
+                         "gathers across micro-batches, so the byte model would not hold; set "
+                         "grad_accumulation_steps=1 (a larger fsdp or data axis instead) or "
+                         "fsdp_reshard_after_forward=False")
     if remat_parse(c.remat):
         raise ValueError(f"config.fsdp_reshard_after_forward=True cannot be combined with "
                          f"config.remat={c.remat!r}: the re-gather's checkpoint policy would "
