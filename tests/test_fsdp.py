@@ -146,8 +146,9 @@ def test_reshard_after_forward_gathers_each_bucket_again(trainers):
     layout records the key, the step is compiled with remat's barriers kept, and its HLO
     holds two all-gathers per bucket over fsdp (the backward's are not CSE'd into the
     forward's), one reduce-scatter per bucket; the bytes over fsdp are the byte model's
-    (3(F-1)/F |params| sent by a ring: one more all-gather); XLA's temp is at most data:8's
-    plus one bucket's gathered bytes; one step lands within the bound of data:8's."""
+    (3(F-1)/F |params| sent by a ring: one more all-gather), as the comm report says; XLA's
+    temp is at most data:8's plus one bucket's gathered bytes; one step lands within the
+    bound of data:8's."""
     fs = trainers("running", "sgd", "data:2,fsdp:4", global_batch_size=8,
                   eval_batch_size=8, fsdp_reshard_after_forward=True)
     dp = trainers("running", "sgd", global_batch_size=8, eval_batch_size=8)
@@ -166,6 +167,10 @@ def test_reshard_after_forward_gathers_each_bucket_again(trainers):
     split = model["params_bytes"] - 4 * model["whole_leaves"]  # 3(F-1)/F of the split leaves
     assert model["ring"] == pytest.approx(3 * 3 / 4 * split + 3 * 4 * (model["whole_leaves"] + 4),
                                           rel=1e-12)
+    from trjax import report  # the comm report shows the extra all-gathers and the model
+    text = report.format_report(report.comm_report(fs))
+    assert f"fsdp model: all-gather {model['all_gather']} B (2 x" in text, text
+    assert "again in the backward" in text and "3(F-1)/F |params|" in text
     one_bucket = 4 * max(fs.plan.bucket_elements.values()) * 4  # gathered: F x the local
     temp, ref_temp = fs.train_step.memory()["temp"], dp.train_step.memory()["temp"]
     print(f"reshard temp {temp} vs data:8 {ref_temp} + one bucket {one_bucket}")

@@ -114,6 +114,12 @@ def format_report(r: dict) -> str:
                      f"{p['boundary_shapes']}); the loop issues {p['issued_bytes']} B "
                      f"({p['schedule']}, {p['ticks']} ticks), the stage-owned all-to-alls "
                      f"{p['exchange_bytes']} B")
+    if "fsdp" in t:
+        f = t["fsdp"]
+        again = " (again in the backward: fsdp_reshard_after_forward)" if f["gathers"] > 1 else ""
+        lines.append(f"fsdp model: all-gather {f['all_gather']} B ({f['gathers']} x the split "
+                     f"parameters{again}) + reduce-scatter {f['reduce_scatter']} B issued per "
+                     f"step, a ring sends {f['ring']:.0f} B ({f['gathers'] + 1}(F-1)/F |params|)")
     if "tensor" in t:
         m = t["tensor"]
         lines.append(f"tensor model: g {m['g']} + f {m['f']} + all-gather {m['gather']} = "
