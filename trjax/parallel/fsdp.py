@@ -237,10 +237,11 @@ def traffic(dims, params, size: int, itemsize: int = 4, gathers: int = 1) -> dic
     """What one step issues over ``fsdp`` per device, as
     :func:`trjax.comm.by_axis` counts it (each collective's result bytes):
     ``all_gather`` = the split leaves' whole bytes, ``gathers`` times (1; with
-    ``config.fsdp_reshard_after_forward`` 2: the backward's re-gather); ``reduce_scatter`` = their 1/F shards plus the whole leaves and
-    metric sums; ``ring`` the bytes a ring sends: (F-1)/F of each all-gather's
-    result and of each reduce-scatter's input, (gathers + 1)(F-1)/F |params| in all
-    (2(F-1)/F without resharding, 3(F-1)/F with it)."""
+    ``config.fsdp_reshard_after_forward`` 2: the backward's re-gather);
+    ``reduce_scatter`` = their 1/F shards plus the whole leaves and metric sums;
+    ``ring`` the bytes a ring sends: (F-1)/F of each all-gather's result and of
+    each reduce-scatter's input, (gathers + 1)(F-1)/F |params| in all (2(F-1)/F
+    without resharding, 3(F-1)/F with it)."""
     leaves = jax.tree_util.tree_leaves(params)
     flat_dims = jax.tree_util.tree_structure(params).flatten_up_to(dims)
     split = sum(math.prod(x.shape) for x, d in zip(leaves, flat_dims) if d is not None)
