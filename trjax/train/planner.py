@@ -166,7 +166,7 @@ def _evaluate(cand: Candidate, tr, hw, budget: int, best_s: float | None) -> Non
         cand.predicted = {"lower_bound_s": bound}
         return
     step = aot.compile_step("train_step", fn, init.abstract, batch, donate_argnums=0,
-                            traced=traced)
+                            traced=traced, options=tr.layout.compile_options)
     cand.compile_s = step.compile_s
     cand.memory = step.memory()
     cand.peak_bytes = cand.memory.get("peak")
