@@ -42,6 +42,10 @@ runs; the parent never touches the GPU):
    model's code with no point-to-point or model-axis collective (those need
    at least 2 GPUs). Per mesh: the training loss falls, the collectives of the
    compiled step by mesh axis.
+10. ``plan``: ``trjax.train.planner`` on the devices there are for the main
+   job's config, with the devices' own hardware profile (h100/h200) and a budget
+   of the device's memory; the winner's train step then timed: its predicted
+   step against the measured one (``measured_over_predicted``).
 
 Writes ``OUT_DIR/gpu_check.json`` (``{"ok", "dry_run", "wall_s", "parts":
 {name: {"ok", "wall_s", ..figures..}}}``), each part's log as
@@ -73,7 +77,7 @@ RESULT = "GPU_CHECK_RESULT "  # a part's last stdout line: this prefix, then its
 # (part, timeout in seconds on the GPU node); --budget_s caps their sum
 PARTS = (("devices", 45), ("prediction", 90), ("main_job", 120), ("comm_report", 90),
          ("benchmark", 180), ("xla_flags", 150), ("input", 45), ("syncbn", 60),
-         ("model_parallel", 90))
+         ("model_parallel", 90), ("plan", 150))
 PART_ENV = {"prediction": {"JAX_PLATFORMS": "cpu"}}  # made on the CPU, before the GPU runs
 
 
@@ -264,6 +268,11 @@ def summary_line(name: str, r: dict) -> str:
                          f"{r[k]['train_loss_by_epoch'][-1]:.3f}, {r[k]['train_images_per_s']:.0f} "
                          f"img/s, collectives {r[k]['collectives_by_axis']}"
                          for k in ("stage", "model"))
+    if name == "plan":
+        return (f"{r['chosen']} of {r['candidates']} candidates ({r['compiled']} compiled, "
+                f"{r['hardware']} profile): predicted {r['predicted_step_s'] * 1e3:.2f} ms/step, "
+                f"measured {r['measured_step_s'] * 1e3:.2f} ms/step "
+                f"({r['measured_over_predicted']:.2f}x)")
     return ""
 
 
@@ -608,10 +617,59 @@ def part_model_parallel(a) -> dict:
     return out
 
 
+def part_plan(a) -> dict:
+    """The planner (:mod:`trjax.train.planner`) on the devices there are, for the main
+    job's config, with the devices' own hardware profile (the dry run: the CPU's,
+    calibrated, data and fsdp only), a budget of the device's memory (the dry run:
+    1 GiB); then its
+    winner's train step timed (10 steps after 2, median): the predicted step against
+    the measured one."""
+    if a.dry_run:
+        from trjax.cpu import host
+        host.configure_cpu(2)
+    import statistics
+    import jax
+    sys.path.insert(0, os.path.join(REPO, "configs"))
+    import default as default_config
+    from trjax.data import input_pipeline
+    import numpy as np
+    from trjax.train import planner, trainer
+    c = default_config.get_config()
+    c.update(num_epochs=MAIN_JOB_EPOCHS, progress=False, cpu_devices=2,
+             memory_per_device="1GiB" if a.dry_run else "")
+    if a.dry_run:
+        c.update(model="resnet8", global_batch_size=32, eval_batch_size=32)
+    data = input_pipeline.load_dataset(c.dataset, c.data_dir, c.image_size)
+    p = planner.plan(c, data, memory_per_device=planner.budget_of(c, jax.devices()),
+                     hardware_spec="", say=lambda *x: None,  # the dry run: 2 candidates
+                     **({"axes": ("data", "fsdp"), "remat": ("none",)} if a.dry_run else {}))
+    tr = trainer.setup(planner.with_overrides(c, p.chosen.overrides), data)
+    g = c.global_batch_size
+    batch = input_pipeline.to_device(
+        {"image": data.train.images[:g], "label": data.train.labels[:g],
+         "mask": np.ones(g, np.float32)}, tr.world.sharded(), data.num_classes, tr.dtype)
+    state, times = tr.state, []
+    for i in range(12):
+        t0 = time.perf_counter()
+        state, metrics = tr.train_step(state, batch)
+        jax.block_until_ready(metrics)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    measured = statistics.median(times)
+    chosen = p.chosen
+    return {"ok": bool(chosen.step_s and measured > 0), "hardware": p.hardware.name,
+            "chosen": chosen.name, "candidates": len(p.candidates),
+            "compiled": sum(x.status == "compiled" for x in p.candidates),
+            "peak_bytes": chosen.peak_bytes, "predicted_step_s": chosen.step_s,
+            "predicted_parts": chosen.predicted, "measured_step_s": measured,
+            "measured_over_predicted": measured / chosen.step_s, "plan_s": p.seconds}
+
+
 PART_FUNCTIONS = {"devices": part_devices, "prediction": part_prediction,
                   "main_job": part_main_job, "comm_report": part_comm_report,
                   "benchmark": part_benchmark, "xla_flags": part_xla_flags, "input": part_input,
-                  "syncbn": part_syncbn, "model_parallel": part_model_parallel}
+                  "syncbn": part_syncbn, "model_parallel": part_model_parallel,
+                  "plan": part_plan}
 
 
 if __name__ == "__main__":

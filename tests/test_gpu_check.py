@@ -30,7 +30,7 @@ def test_dry_run_writes_every_figure(script_dry_runs):
     r = json.loads((tmp_path / "gpu_check.json").read_text())
     assert r["ok"] and r["dry_run"] and list(r["parts"]) == [
         "devices", "prediction", "main_job", "comm_report", "benchmark", "xla_flags", "input",
-        "syncbn", "model_parallel"]
+        "syncbn", "model_parallel", "plan"]
     p = r["parts"]
     assert all(x["ok"] for x in p.values())
 
@@ -98,6 +98,12 @@ def test_dry_run_writes_every_figure(script_dry_runs):
         r = mp[kind]
         assert r["steps"] == steps and r["train_loss_by_epoch"][-1] < r["train_loss_by_epoch"][0]
         assert kind in r["collectives_by_axis"], r["collectives_by_axis"]
+
+    pl = p["plan"]  # the planner on the 2 CPU devices, its winner's step timed
+    assert pl["hardware"] == "cpu" and pl["compiled"] >= 1 and pl["peak_bytes"] <= 2 ** 30
+    assert pl["chosen"].split()[0] in ("data:2", "data:1,fsdp:2", "data:1,stage:2",
+                                       "data:1,model:2")
+    assert pl["measured_over_predicted"] == pl["measured_step_s"] / pl["predicted_step_s"] > 0
 
 
 def test_the_docs_list_every_part_in_order():
