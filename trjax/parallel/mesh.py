@@ -110,9 +110,9 @@ def check_config(config, own_model: bool, builtin_models=()) -> None:
               "ranks as a node; on this mesh the data axis' neighbours are the split axes' "
               "size apart, so every data-axis all-reduce already crosses nodes)"),
              ("compression", c.compression == "none",
-              "'none' (not written for split meshes: a compressor would see each device's "
-              "slices after the other axes' collectives, another algorithm than "
-              "data-parallel compression; docs/parallelism.md)"),
+              "'none' (a compressor is defined on whole gradients; here the data axis "
+              "all-reduces each device's slices, and an exact form would need the "
+              "compressor's own collectives over the split axes: docs/parallelism.md)"),
              ("shard_optimizer_state", not c.shard_optimizer_state,
               "False (this mesh already shards the optimizer state over its axes)")]
     if stage or model:

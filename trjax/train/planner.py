@@ -410,12 +410,16 @@ def _compute_bound(tr, per_row: float) -> float:
     the data-parallel FLOPs of a row (``per_row``, counted on a ``data``-only
     candidate's step) times its rows per batch rank, split evenly over ``stage x
     model`` (a device's share is at least the mean: replicated layers and the
-    largest stage only add), times a pipeline's ticks per micro-batch (M+S-1)/M."""
+    largest stage only add), times a pipeline's ticks per micro-batch (M+S-1)/M and,
+    when it recomputes each stage in the backward, 4/3 (a backward costs at most
+    twice its forward, so the forward is at least a third of the row's FLOPs)."""
     sizes = dict(tr.world.axes)
     S, T = sizes.get("stage", 1), sizes.get("model", 1)
     rows = tr.world.global_batch_size / (sizes.get("data", 1) * sizes.get("fsdp", 1))
     M = tr.layout.details.get("pipeline_microbatches", 1) if S > 1 else 1
-    return per_row * rows / (S * T) * (M + S - 1) / M
+    recompute = 4 / 3 if S > 1 and (tr.config.pipeline_remat or
+                                    tr.config.pipeline_schedule != "gpipe") else 1.0
+    return per_row * rows / (S * T) * (M + S - 1) / M * recompute
 
 
 def _work(cand: Candidate, global_batch: int) -> float:
