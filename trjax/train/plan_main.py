@@ -1,7 +1,8 @@
 """``trjax-plan`` (``python -m trjax.train.plan_main``): the planner's command.
 
   trjax-plan --config default --memory_per_device 24GiB [--hardware cpu|h100|h200|FILE]
-      [--out DIR] [--axes data,fsdp] [--max_candidates N] [--exhaustive] [--verify]
+      [--out DIR] [--axes data,fsdp] [--max_candidates N] [--patience N] [--exhaustive]
+      [--verify]
       [--shape 224,224,3 --num_classes 1000] [--config.KEY=VALUE ...]
 
 prints the ranked candidates (:func:`trjax.train.planner.table`) and writes
@@ -47,7 +48,8 @@ def main(argv) -> None:
         p = plan(config, data, memory_per_device=f.memory_per_device,
                  hardware_spec=f.hardware,
                  axes=[a.strip() for a in f.axes.split(",")] if f.axes else None,
-                 max_candidates=f.max_candidates, exhaustive=f.exhaustive)
+                 max_candidates=f.max_candidates, patience=f.patience,
+                 exhaustive=f.exhaustive)
     except (ValueError, FileNotFoundError) as e:
         sys.exit(f"error: {e}")
     path = write(p, f.out)
@@ -83,6 +85,8 @@ def run(argv=None) -> None:
         flags.DEFINE_string("out", ".", "Folder for plan.json and plan.md.")
         flags.DEFINE_string("axes", "", "Mesh axes to use, e.g. 'data,fsdp' (''': all).")
         flags.DEFINE_integer("max_candidates", 64, "Compile at most this many.")
+        flags.DEFINE_integer("patience", 8, "Stop after this many compiled candidates in a "
+                             "row that did not beat the best fitting one.")
         flags.DEFINE_bool("exhaustive", False, "Compile every candidate whose state fits.")
         flags.DEFINE_bool("verify", False, "Run one step of the winner against its "
                           "data-parallel oracle (trjax.train.planner.verify).")

@@ -244,7 +244,8 @@ def why(p: Plan) -> str:
 
 def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *,
          memory_per_device, hardware_spec: str = "", axes=None, remat=None,
-         max_candidates: int = 64, exhaustive: bool = False, say=print) -> Plan:
+         max_candidates: int = 64, patience: int = 8, exhaustive: bool = False,
+         say=print) -> Plan:
     """Enumerates, prunes, compiles and ranks the candidates for ``config`` on its
     devices (``config.devices``); see the module docstring.
 
@@ -262,8 +263,10 @@ def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *
         compiled only when the same candidate without remat does not fit: remat
         recomputes, it is never faster.
       max_candidates: compile at most this many.
-      exhaustive: compile every candidate that fits by its state (no time or
-        dominance bound).
+      patience: stop compiling after this many compiled candidates in a row that
+        did not beat the best fitting one (the order tries likely winners first).
+      exhaustive: compile every candidate that fits by its state (no time,
+        dominance or patience bound).
       say: where progress lines go.
 
     Returns:
@@ -289,6 +292,7 @@ def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *
     say(f"trjax-plan: {len(cands)} candidates on {n} devices; budget "
         f"{budget / 2 ** 20:.1f} MiB per device; hardware {hw.name}")
     best, compiled, by_name, per_row = None, 0, {c.name: c for c in cands}, None
+    since_best = 0
     for cand in sorted(cands, key=lambda c: _work(c, config.global_batch_size)):
         twin = by_name.get(cand.name.replace(f" remat:{cand.overrides['remat']}", ""))
         if not exhaustive and cand.overrides["remat"] != "none" and twin is not None \
@@ -304,6 +308,9 @@ def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *
         if compiled >= max_candidates:
             cand.status = f"pruned: max_candidates={max_candidates} compiled already"
             continue
+        if not exhaustive and best is not None and since_best >= patience:
+            cand.status = f"pruned: patience={patience} compiled since the best"
+            continue
         bound = _compute_bound(tr, per_row) / hw.flops(config.precision) if per_row else 0.0
         if not exhaustive and best is not None and bound >= best.step_s:
             cand.status = (f"pruned: compute alone >= {bound:.4g} s, the best fitting "
@@ -317,8 +324,9 @@ def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *
             compiled += 1
             say(f"  {cand.name}: peak {cand.peak_bytes / 2 ** 20:.1f} MiB, predicted "
                 f"{cand.step_s * 1e3:.2f} ms/step (compiled in {cand.compile_s:.1f} s)")
+            since_best += 1
             if cand.fits and (best is None or cand.step_s < best.step_s):
-                best = cand
+                best, since_best = cand, 0
     if strict:
         _check_axes(cands, axes)
     chosen = choose(cands, budget)
