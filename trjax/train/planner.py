@@ -227,18 +227,20 @@ def choose(cands, budget: int) -> Candidate:
 
 
 def why(p: Plan) -> str:
-    """One line: why the chosen candidate won."""
+    """One line: why the chosen candidate won (the faster ones that do not fit, the
+    next fitting one)."""
     c = p.chosen
     others = sorted((x for x in p.candidates if x.status == "compiled" and x is not c),
                     key=lambda x: x.step_s)
     faster = [x for x in others if x.step_s < c.step_s]
+    fitting = [x for x in others if x.fits]
     text = (f"{c.name}: predicted {c.step_s * 1e3:.2f} ms/step, peak "
             f"{c.peak_bytes / 2 ** 20:.1f} MiB <= budget {p.budget / 2 ** 20:.1f} MiB")
     if faster:
         text += (f"; {len(faster)} faster candidate(s) do not fit (fastest: {faster[0].name}, "
                  f"peak {faster[0].peak_bytes / 2 ** 20:.1f} MiB)")
-    elif others:
-        text += f"; next: {others[0].name} at {others[0].step_s * 1e3:.2f} ms/step"
+    if fitting:
+        text += f"; next that fits: {fitting[0].name} at {fitting[0].step_s * 1e3:.2f} ms/step"
     return text
 
 
