@@ -66,6 +66,8 @@ def main() -> None:
     config = load_config_file(config_path(a.config))
     with config.unlocked():
         config.progress, config.num_epochs = False, 1
+    from trjax.train import compilation
+    compilation.configure_cache(config.compilation_cache, config.compilation_cache_dir)
     data = input_pipeline.load_dataset(config.dataset, config.data_dir, config.image_size)
     hw = hardware.resolve(a.hardware, jax.devices()[:a.cpu_devices])
     rows, variants = [], {}

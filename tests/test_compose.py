@@ -80,22 +80,29 @@ def assert_axis_bytes_are_the_models(tr):
     permutes and the stage-owned all-to-alls (pipeline.boundary_traffic), plus the BN
     sums where sync mode reduces them over ``stage`` alone (the plan's stat-sums size).
     ``model``: Megatron's g, f and the head's all-gather (pipeline.tensor_traffic or
-    tensor.traffic), and what a ring sends for them. The one-element all-reduce (the
-    non-finite flag over the split axes, test_a_non_finite_slice...) is no model's and is
-    left out. Returns ``{axis: (model, measured)}``."""
+    tensor.traffic), and what a ring sends for them. The all-reduces of scalars (the
+    non-finite flag over the split axes, test_a_non_finite_slice..., and grad_norm's sum
+    of squares of each split leaf, taken on the global arrays and merged with the flag by
+    XLA: at most one element per parameter leaf and the flag) are no layout's model and
+    are left out; where XLA's all-reduce combiner merged those sums into a larger
+    all-reduce over the axis (the BN sums over ``stage`` in sync mode), the measured
+    bytes may exceed the model by at most one float per parameter leaf, never fall
+    short of it. Returns ``{axis: (model, measured)}``."""
+    scalars = len(jax.tree_util.tree_leaves(tr.state.params)) + 1
     cols = [c for c in comm.collectives_in_hlo(comm.hlo_text(tr.train_step.compiled))
-            if not (c["kind"] == "all-reduce" and c["elements"] == 1)]
+            if not (c["kind"] == "all-reduce" and c["elements"] <= scalars)]
     rows, lay, out = comm.by_axis(cols, tr.world.mesh), tr.layout, {}
     if lay.point_to_point is not None:
         p = lay.point_to_point(4)
         bn = 4 * tr.plan.stat_sums_elements if lay.bn_reduce_axes == "stage" else 0
         out["stage"] = (p["issued_bytes"] + p["exchange_bytes"] + bn, rows["stage"]["bytes"])
-        assert out["stage"][0] == out["stage"][1], (p, bn, out["stage"])
+        assert 0 <= out["stage"][1] - out["stage"][0] <= 4 * scalars, (p, bn, out["stage"])
     if lay.tensor_traffic is not None:
         t = lay.tensor_traffic(4)
         out["model"] = (t["issued"], rows["model"]["bytes"])
-        assert out["model"][0] == out["model"][1], (t, out["model"])
-        assert t["total"] == pytest.approx(rows["model"]["sent_bytes"], rel=1e-12), t
+        assert 0 <= out["model"][1] - out["model"][0] <= 4 * scalars, (t, out["model"])
+        assert t["total"] == pytest.approx(rows["model"]["sent_bytes"],
+                                           abs=8 * scalars, rel=1e-12), t
     print(f"{tr.world.mesh_spec} {tr.config.pipeline_schedule}: model vs HLO bytes {out}")
     return out
 
@@ -166,7 +173,10 @@ def test_the_collectives_of_a_3d_mesh_by_axis_and_trip_count(trainers):
         ("model", "all-reduce", 5): 3, ("model", "all-gather", 5): 1,
         ("stage", "all-to-all", 1): 2, ("stage", "collective-permute", 5): 2,
         ("data", "all-reduce", 1): 2, (("data", "stage"), "all-reduce", 1): 1,
-        (("stage", "model"), "all-reduce", 1): 1}), got
+        (("stage", "model"), "all-reduce", 1): 1,
+        # grad_norm's sums of squares of the leaves split over stage (and model), on the
+        # global arrays outside shard_map: the partitioner's all-reduces, one element each
+        (None, "all-reduce", 1): 6}), got
     data = [c["elements"] for c in cols if comm.axis_of(c, tr.world.mesh) == "data"]
     assert data == [tr.plan.bucket_elements["deep"], tr.plan.bucket_elements["first"]]
 
