@@ -353,8 +353,8 @@ def test_allreduce_algorithms_in_the_step_equal_psum(algorithm):
 
 def test_compression_bf16_halves_requested_bytes_and_stays_close():
     """The bf16 compressor requests half the fp32 buckets' gradient bytes (XLA:CPU then runs
-    it in f32: the compiled collectives are test_collectives_per_bucket's); its metrics
-    stay exact and its step within bf16's rounding of the psum step."""
+    it in f32: the compiled collectives are test_collectives_per_bucket's); its metric
+    sums stay exact, its grad_norm and its step within bf16's rounding of the psum step's."""
     ref, m_ref = _first_step("xla")
     new, m = _first_step("bf16")
     plan = _plan()
@@ -364,7 +364,10 @@ def test_compression_bf16_halves_requested_bytes_and_stays_close():
     assert ref_bytes == plan.gradient_bytes + 16  # fp32 buckets (+ 4 metric sums)
     bf16_bytes = sum(o["bytes"] for o in ops(_built("bf16")[0]) if o["dtype"] == "bf16")
     assert bf16_bytes == plan.gradient_elements * 2 == plan.gradient_bytes // 2
-    np.testing.assert_array_equal(m, m_ref)  # metrics stay exact
+    # the step's sums stay exact; grad_norm is the norm of the mean gradient the optimizer
+    # gets, here the decompressed one: within bf16's rounding of the psum step's
+    np.testing.assert_array_equal(m[:-1], m_ref[:-1])
+    assert abs(m[-1] - m_ref[-1]) <= 1e-2 * m_ref[-1]
     assert max_rel(new.params, ref.params) <= 1e-2
 
 
