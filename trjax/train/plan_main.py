@@ -83,7 +83,7 @@ def run(argv=None) -> None:
         flags.DEFINE_string("hardware", "", "h100, h200, cpu (calibrated) or a JSON file; "
                             "'': the devices' own.")
         flags.DEFINE_string("out", ".", "Folder for plan.json and plan.md.")
-        flags.DEFINE_string("axes", "", "Mesh axes to use, e.g. 'data,fsdp' (''': all).")
+        flags.DEFINE_string("axes", "", "Mesh axes to use, e.g. 'data,fsdp' ('': all).")
         flags.DEFINE_integer("max_candidates", 64, "Compile at most this many.")
         flags.DEFINE_integer("patience", 8, "Stop after this many compiled candidates in a "
                              "row that did not beat the best fitting one.")
@@ -94,6 +94,10 @@ def run(argv=None) -> None:
                             "without loading the data set.")
         flags.DEFINE_integer("num_classes", 1000, "Classes with --shape.")
         flags.mark_flag_as_required("memory_per_device")
+        for name in ("config", "memory_per_device", "hardware", "out", "axes",
+                     "max_candidates", "patience", "exhaustive", "verify", "shape",
+                     "num_classes"):  # --help lists them under the command
+            f.register_flag_by_module(sys.argv[0], f[name])
     app.run(main, argv=sys.argv)
 
 
