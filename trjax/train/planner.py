@@ -301,6 +301,9 @@ def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *
                 and twin.fits:
             cand.status = f"pruned: {twin.name} fits without remat (remat only recomputes)"
             continue
+        if compiled >= max_candidates and not strict:  # no compile left: no prepare
+            cand.status = f"pruned: max_candidates={max_candidates} compiled already"
+            continue
         try:  # the builder's own checks: a reason, not a crash
             tr = prepare(with_overrides(config, cand.overrides), data, model, tx, loss_fn,
                          transform)
