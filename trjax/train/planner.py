@@ -80,7 +80,7 @@ class Candidate:
         return self.predicted.get("step_s")
 
     def to_json(self, global_batch: int) -> dict:
-        out = {k: v for k, v in dataclasses.asdict(self).items()}
+        out = dataclasses.asdict(self)
         out["config"] = out.pop("overrides")
         out["predicted_step_s"] = self.step_s
         out["images_per_s"] = global_batch / self.step_s if self.step_s else None
@@ -287,8 +287,8 @@ def plan(config, data=None, model=None, tx=None, loss_fn=None, transform=None, *
     bad = [a for a in axes if a not in MESH_AXES]
     if bad:
         raise ValueError(f"axes {bad} are not mesh axes; choose from {list(MESH_AXES)}")
-    n = len(_devices(config))
-    hw = hardware.resolve(hardware_spec, _devices(config))
+    devices = _devices(config)
+    n, hw = len(devices), hardware.resolve(hardware_spec, devices)
     remat = remat or ("none", config.remat if config.remat != "none" else "blocks")
     cands = candidates(n, axes, remat=remat)
     say(f"trjax-plan: {len(cands)} candidates on {n} devices; budget "
