@@ -21,7 +21,8 @@ once per step).
 
 Layout. The ResNet's residual blocks are split into ``S`` contiguous stages
 (:func:`plan_stages`; the stem goes with the first stage, the pooling + dense
-head with the last), balanced by multiply-accumulates. Stage ``s`` runs on the
+head with the last), balanced by multiply-accumulates and, within 10 % of that
+balance, by parameters (the stage-owned buffers are the largest stage's size). Stage ``s`` runs on the
 devices of mesh coordinate ``stage = s``; only one activation tensor crosses
 each stage boundary (the skips stay inside their block).
 
@@ -428,7 +429,8 @@ def layout(base: Layout, num_microbatches: int = 0, stages: StagePlan | None = N
                                    axis_name=STAGE_AXIS)
     line = (f"pipeline: {S} stages x {M} micro-batches ({schedule}; BatchNorm over {rows} "
             f"rows), stage MAC shares " + "/".join(f"{100 * x:.1f}%" for x in stages.shares)
-            + f" (max/mean {stages.imbalance:.2f}), stages begin at "
+            + f" (max/mean {stages.imbalance:.2f}), parameter shares "
+            + "/".join(f"{100 * x:.1f}%" for x in stages.param_shares) + ", stages begin at "
             + ", ".join(stages.blocks[lo] for lo, _ in stages.bounds))
     return dataclasses.replace(
         base, forward_backward=fb, grad_axes=DATA_AXIS if sizes[DATA_AXIS] > 1 else (),

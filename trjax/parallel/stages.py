@@ -1,7 +1,7 @@
 """The pipeline's stages: a model's units (a ResNet's residual blocks, a sequence's
-layers) split into ``S`` contiguous runs balanced by multiply-accumulates
-(:func:`plan_stages`), each run a module of its own (:func:`stage_modules`), and
-the checks a pipeline config makes before anything is traced
+layers) split into ``S`` contiguous runs balanced by multiply-accumulates, and
+within :data:`MAC_TOLERANCE` of that balance by parameters (:func:`plan_stages`),
+each run a module of its own (:func:`stage_modules`), and the checks a pipeline config makes before anything is traced
 (:func:`check_pipeline`, :func:`default_microbatches`).
 
 The stem goes with the first stage, the pooling + dense head with the last; only
@@ -12,16 +12,58 @@ their block).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Sequence
 
 import flax.linen as nn
+import jax
+import jax.numpy as jnp
 
 from trjax import models
+from trjax.parallel.stage_owned import subtree
 
-def balanced_split(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
+MAC_TOLERANCE = 0.10
+"""How far above the best MAC balance :func:`plan_stages` lets the slowest stage go to
+hold fewer parameters on the largest stage (every stage-owned buffer of the pipeline
+is the largest stage's size: :mod:`trjax.parallel.stage_owned`)."""
+
+
+def _minimax(costs: Sequence[float], num_stages: int, allowed) -> tuple[float, list] | None:
+    """The contiguous split of ``costs`` into ``num_stages`` non-empty parts that
+    minimises the largest part's sum among the splits whose every part ``[lo, hi)``
+    is ``allowed(lo, hi)`` (exact dynamic programme, ties to the earliest cut);
+    ``(largest sum, bounds)``, ``None`` when no split is allowed."""
+    n, inf = len(costs), float("inf")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+    # best[k][i]: min over splits of items [0, i) into k parts of the max part
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n + 1):
+            for m in range(k - 1, i):
+                v = max(best[k - 1][m], prefix[i] - prefix[m])
+                if v < best[k][i] and allowed(m, i):
+                    best[k][i], cut[k][i] = v, m
+    if best[num_stages][n] == inf:
+        return None
+    bounds, i = [], n
+    for k in range(num_stages, 0, -1):
+        m = cut[k][i]
+        bounds.append((m, i))
+        i = m
+    return best[num_stages][n], bounds[::-1]
+
+
+def balanced_split(costs: Sequence[float], num_stages: int, sizes: Sequence[float] | None = None,
+                   tolerance: float = MAC_TOLERANCE) -> list[tuple[int, int]]:
     """Contiguous ``[lo, hi)`` ranges of ``costs`` into ``num_stages`` non-empty
     parts minimising the largest part's sum (exact dynamic programme, ties to
-    the earliest cut).
+    the earliest cut). With ``sizes`` (each item's parameters): among the splits
+    whose largest cost is within ``1 + tolerance`` of the best, the one whose
+    largest part holds the fewest ``sizes`` (then the best cost among those).
 
     Raises:
       ValueError: ``num_stages < 1`` or more stages than items.
@@ -30,26 +72,20 @@ def balanced_split(costs: Sequence[float], num_stages: int) -> list[tuple[int, i
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot split {n} residual blocks into {num_stages} stages: "
                          f"use 1..{n} stages")
+    fastest, bounds = _minimax(costs, num_stages, lambda lo, hi: True)
+    if sizes is None:
+        return bounds
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
-    # best[k][i]: min over splits of items [0, i) into k parts of the max part
-    inf = float("inf")
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0.0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n + 1):
-            for m in range(k - 1, i):
-                v = max(best[k - 1][m], prefix[i] - prefix[m])
-                if v < best[k][i]:
-                    best[k][i], cut[k][i] = v, m
-    bounds, i = [], n
-    for k in range(num_stages, 0, -1):
-        m = cut[k][i]
-        bounds.append((m, i))
-        i = m
-    return bounds[::-1]
+    cap = fastest * (1 + tolerance)
+    fits = lambda lo, hi: prefix[hi] - prefix[lo] <= cap  # noqa: E731
+    smallest, _ = _minimax(sizes, num_stages, fits)
+    size_prefix = [0.0]
+    for z in sizes:
+        size_prefix.append(size_prefix[-1] + float(z))
+    return _minimax(costs, num_stages, lambda lo, hi: fits(lo, hi) and
+                    size_prefix[hi] - size_prefix[lo] <= smallest)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +103,8 @@ class StagePlan:
       shares: per stage, its fraction of the model's MACs.
       imbalance: ``max(macs) / mean(macs)`` (1 = perfectly balanced; the
         pipeline's efficiency is at most ``1 / imbalance``).
+      param_shares: per stage, its fraction of the model's parameters (the largest
+        sets every stage-owned buffer's size); empty where not computed.
     """
     blocks: tuple
     bounds: tuple
@@ -75,6 +113,7 @@ class StagePlan:
     imbalance: float
     first: tuple = ("stem_conv", "stem_bn")
     last: tuple = ("head",)
+    param_shares: tuple = ()
 
     @property
     def num_stages(self) -> int:
@@ -107,6 +146,23 @@ def _units(module, image_shape) -> tuple[list[str], list[float], dict]:
     return [b["name"] for b in info], [b["flops"] / 2 for b in info], {"first": (), "last": ()}
 
 
+def _unit_sizes(module, image_shape, names, first, last) -> list[int]:
+    """Parameters (elements) per unit of ``names``, the ``first`` names' added to the
+    first unit and the ``last`` names' to the last (traced abstractly, nothing runs)."""
+    if isinstance(module, models.NNXSequence):
+        params = module.net.abstract_variables(tuple(image_shape))["params"]
+    else:
+        x = jax.ShapeDtypeStruct((1,) + tuple(image_shape), jnp.float32)
+        params = jax.eval_shape(lambda k, x: module.init(k, x, train=False),
+                                jax.random.key(0), x)["params"]
+    count = lambda units: sum(math.prod(a.shape) for a in  # noqa: E731
+                              jax.tree_util.tree_leaves(subtree(params, units)))
+    sizes = [count([n]) for n in names]
+    sizes[0] += count(first)
+    sizes[-1] += count(last)
+    return sizes
+
+
 def _check_splittable(module) -> None:
     """Raises ``ValueError`` unless a pipeline can split ``module`` (a ResNet or a
     sequence), naming the way to write another model as a sequence."""
@@ -133,7 +189,8 @@ def plan_stages(module, image_shape: Sequence[int], num_stages: int,
         torchgpipe's ``nn.Sequential`` contract).
       image_shape: ``(H, W, C)`` of one image (for the MACs).
       num_stages: S >= 1.
-      starts: ``None`` (balanced by MACs, :func:`balanced_split`) or the S - 1
+      starts: ``None`` (balanced by MACs and, within :data:`MAC_TOLERANCE` of the
+        best MAC balance, by parameters: :func:`balanced_split`) or the S - 1
         block names that begin stages 1 .. S-1, in call order.
 
     Returns:
@@ -145,9 +202,12 @@ def plan_stages(module, image_shape: Sequence[int], num_stages: int,
         :func:`balanced_split`; ``starts`` of the wrong length, naming an unknown
         block or the first block, or out of order.
     """
-    names, costs, extra = _units(models.splittable(module), image_shape)
+    module = models.splittable(module)
+    names, costs, extra = _units(module, image_shape)
+    first, last = extra.get("first", StagePlan.first), extra.get("last", StagePlan.last)
+    sizes = _unit_sizes(module, image_shape, names, first, last)
     if starts is None:
-        bounds = balanced_split(costs, num_stages)
+        bounds = balanced_split(costs, num_stages, sizes)
     else:
         starts = list(starts)
         if len(starts) != num_stages - 1:
@@ -163,10 +223,11 @@ def plan_stages(module, image_shape: Sequence[int], num_stages: int,
         edges = [0] + idx + [len(names)]
         bounds = list(zip(edges[:-1], edges[1:]))
     macs = tuple(sum(costs[lo:hi]) for lo, hi in bounds)
-    total = sum(macs)
+    total, held = sum(macs), [sum(sizes[lo:hi]) for lo, hi in bounds]
     return StagePlan(blocks=tuple(names), bounds=tuple(bounds), macs=macs,
                      shares=tuple(m / total for m in macs),
-                     imbalance=max(macs) / (total / len(macs)), **extra)
+                     imbalance=max(macs) / (total / len(macs)),
+                     param_shares=tuple(h / max(sum(held), 1) for h in held), **extra)
 
 
 def stage_modules(module, plan: StagePlan) -> list[nn.Module]:
