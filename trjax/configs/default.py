@@ -52,7 +52,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.plan_axes = ""               # mesh="auto": the axes it may use, e.g. "data,fsdp" ("": all)
     c.pipeline_microbatches = 0    # micro-batches per step on a 'stage' mesh (0: up to
     #                                4 x stages, keeping >= 16 rows per BatchNorm)
-    c.pipeline_stage_starts = ""   # "" (balanced by MACs) or the blocks that begin stages
+    c.pipeline_stage_starts = ""   # "" (by MACs, then parameters) or the blocks that begin stages
     #                                1..S-1, e.g. "stage2_block1,stage3_block1"
     c.pipeline_schedule = "gpipe"  # "gpipe", "1f1b" (stashes at most 2S-1 stage inputs) or
     #                                "zb-h1" (zero bubble: B and W apart, W fills the bubbles)

@@ -76,6 +76,7 @@ import warnings
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
@@ -174,11 +175,13 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     rules: dict = {}
     if select is None:
         select = lambda k, p: subtree(p, plan.names(k))  # noqa: E731
-    run_stage = stage_runner(stage_modules(net, plan), plan, batch_stats, bn_mode,
-                              data_axis, remat, rules, select, rng,
-                              functools.partial(net._split, train=True))
-    lp = make_loop(net, batch, params, run_stage, S, M, bn_mode,
+    runner = functools.partial(stage_runner, stage_modules(net, plan), plan, batch_stats,
+                               bn_mode, data_axis, remat, rules, select, rng,
+                               functools.partial(net._split, train=True))
+    lp = make_loop(net, batch, params, runner(), S, M, bn_mode,
                    flat_axes(data_axis, stage_axis), bubble_fill, loss_scale, mixing, rng)
+    # GPipe differentiates the tick's switch: one padded saved input per tick, not S
+    run_stage = runner(width=lp.width) if schedule == "gpipe" else runner()
     branches = [forward_branch(k, run_stage, lp, loss_fn, label_smoothing) for k in range(S)]
     p = jax.tree_util.tree_map(lambda a: as_varying(a, lp.axes), params)
     loss = functools.partial(loss_sum, loss_fn=loss_fn, label_smoothing=label_smoothing,
@@ -205,14 +208,20 @@ def _check_schedule(module, bn_mode: str, rows: int, M: int, S: int, schedule: s
 
 
 def stage_runner(mods, plan: StagePlan, batch_stats, bn_mode: str, data_axis: str,
-                  remat: bool, rules: dict, select, rng=None, split=contextlib.nullcontext):
+                  remat: bool, rules: dict, select, rng=None, split=contextlib.nullcontext,
+                  width: int | None = None):
     """``run_stage(k, params, x_in, mask, j) -> (y, bn_sums)``: stage ``k``'s module on
     its own subtrees (``select(k, params)``; ``jax.checkpoint``-ed with ``remat``) for
     micro-batch ``j``, whose random streams come from ``fold_in(rng, j)`` as under
     gradient accumulation (:func:`trjax.objective.forward_backward`; a layer's key
     folds in its own path, the same in a stage as in the whole model); every
     BatchNorm's running rule lands in ``rules``; ``split``: the tensor plan's interception
-    (:meth:`trjax.models.Network._split`), a null context without one."""
+    (:meth:`trjax.models.Network._split`), a null context without one.
+
+    ``width`` (with ``remat``): the checkpoint takes the stage input flattened and padded
+    to ``width`` elements, so every stage's saved input has one shape and a
+    ``lax.switch`` over the stages, differentiated, keeps one per tick instead of one per
+    stage (jax merges branch residuals of equal shape)."""
     def run_stage(k, p, x_in, mask, j=0):
         names = plan.names(k)
         ctx = BatchNormContext(bn_mode, data_axis, mask)
@@ -229,7 +238,12 @@ def stage_runner(mods, plan: StagePlan, batch_stats, bn_mode: str, data_axis: st
                     x_in, train=True, mutable=["batch_stats", "bn_sums"], rngs=rngs)
             return y, new.get("bn_sums", {})
 
-        out = (jax.checkpoint(call) if remat else call)(p, x_in, mask, j)
+        if remat and width is not None and x_in.size <= width:
+            shape, n = x_in.shape, x_in.size
+            out = jax.checkpoint(lambda p, x, mask, j: call(p, x[:n].reshape(shape), mask, j))(
+                p, jnp.pad(x_in.reshape(-1), (0, width - n)), mask, j)
+        else:
+            out = (jax.checkpoint(call) if remat else call)(p, x_in, mask, j)
         rules.update(ctx.rules)
         return out
     return run_stage

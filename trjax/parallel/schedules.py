@@ -182,6 +182,12 @@ class Loop:
     bn_axes: tuple        # the axes the BN sums vary over
     loss_scale: object = None  # multiplies the loss GPipe differentiates (fp16), or None
 
+    @property
+    def width(self) -> int:
+        """The largest stage input's elements (the micro-batch images or a boundary)."""
+        return max([math.prod(self.images.shape[1:])] +
+                   [math.prod(b.shape) for b in self.shapes])
+
     def label(self, j):
         """Micro-batch ``j``'s labels ``[mu]`` (with mixing, ``{"label", "perm", "lam"}``:
         :func:`make_loop`), varying over the loop's axes."""
