@@ -22,9 +22,9 @@ once per step).
 Layout. The ResNet's residual blocks are split into ``S`` contiguous stages
 (:func:`plan_stages`; the stem goes with the first stage, the pooling + dense
 head with the last), balanced by multiply-accumulates and, within 10 % of that
-balance, by parameters (the stage-owned buffers are the largest stage's size). Stage ``s`` runs on the
-devices of mesh coordinate ``stage = s``; only one activation tensor crosses
-each stage boundary (the skips stay inside their block).
+balance, by parameters (the stage-owned buffers are the largest stage's size).
+Stage ``s`` runs on the devices of mesh coordinate ``stage = s``; only one
+activation tensor crosses each stage boundary (the skips stay inside their block).
 
 Stage-owned parameters (design v2, :mod:`trjax.parallel.stage_owned`): every
 leaf of what a device of ``base`` holds, its optimizer state and EMA are split

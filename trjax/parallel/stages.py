@@ -1,8 +1,9 @@
 """The pipeline's stages: a model's units (a ResNet's residual blocks, a sequence's
 layers) split into ``S`` contiguous runs balanced by multiply-accumulates, and
 within :data:`MAC_TOLERANCE` of that balance by parameters (:func:`plan_stages`),
-each run a module of its own (:func:`stage_modules`), and the checks a pipeline config makes before anything is traced
-(:func:`check_pipeline`, :func:`default_microbatches`).
+each run a module of its own (:func:`stage_modules`), and the checks a pipeline
+config makes before anything is traced (:func:`check_pipeline`,
+:func:`default_microbatches`).
 
 The stem goes with the first stage, the pooling + dense head with the last; only
 one activation tensor crosses each stage boundary (a ResNet's skips stay inside
