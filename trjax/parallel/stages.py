@@ -29,15 +29,20 @@ hold fewer parameters on the largest stage (every stage-owned buffer of the pipe
 is the largest stage's size: :mod:`trjax.parallel.stage_owned`)."""
 
 
+def _prefix(values: Sequence[float]) -> list[float]:
+    """``[0, v0, v0 + v1, ...]``: a part ``[lo, hi)``'s sum is ``p[hi] - p[lo]``."""
+    out = [0.0]
+    for v in values:
+        out.append(out[-1] + float(v))
+    return out
+
+
 def _minimax(costs: Sequence[float], num_stages: int, allowed) -> tuple[float, list] | None:
     """The contiguous split of ``costs`` into ``num_stages`` non-empty parts that
     minimises the largest part's sum among the splits whose every part ``[lo, hi)``
     is ``allowed(lo, hi)`` (exact dynamic programme, ties to the earliest cut);
     ``(largest sum, bounds)``, ``None`` when no split is allowed."""
-    n, inf = len(costs), float("inf")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
+    n, inf, prefix = len(costs), float("inf"), _prefix(costs)
     # best[k][i]: min over splits of items [0, i) into k parts of the max part
     best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
     cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
@@ -76,15 +81,9 @@ def balanced_split(costs: Sequence[float], num_stages: int, sizes: Sequence[floa
     fastest, bounds = _minimax(costs, num_stages, lambda lo, hi: True)
     if sizes is None:
         return bounds
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + float(c))
-    cap = fastest * (1 + tolerance)
+    prefix, size_prefix, cap = _prefix(costs), _prefix(sizes), fastest * (1 + tolerance)
     fits = lambda lo, hi: prefix[hi] - prefix[lo] <= cap  # noqa: E731
     smallest, _ = _minimax(sizes, num_stages, fits)
-    size_prefix = [0.0]
-    for z in sizes:
-        size_prefix.append(size_prefix[-1] + float(z))
     return _minimax(costs, num_stages, lambda lo, hi: fits(lo, hi) and
                     size_prefix[hi] - size_prefix[lo] <= smallest)[1]
 
