@@ -140,7 +140,8 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
       bubble_fill: the value bubble slots' input buffers hold before masking
         (a test hook: NaN must give bitwise the same results as 0).
       schedule: a name of :data:`trjax.parallel.schedules.SCHEDULES` (``gpipe``,
-        ``1f1b``, ``zb-h1``; ``remat`` applies to GPipe: the others recompute).
+        ``1f1b``, ``zb-h1``; ``remat`` applies to GPipe: the others run the stage
+        again inside each backward slot, so a checkpoint there would only repeat it).
       select: ``(k, params) -> stage k's subtree``; ``None``: ``params`` is the
         whole tree. The stage-owned layout passes its packed rows
         (:meth:`trjax.parallel.stage_owned.StageRows.select`): the gradient is
@@ -177,8 +178,11 @@ def pipeline_forward_backward(model, params, batch_stats, batch, num_microbatche
     rules: dict = {}
     if select is None:
         select = lambda k, p: subtree(p, plan.names(k))  # noqa: E731
+    # 1F1B's and ZB-H1's slots take the stage's vjp inside the slot: a checkpoint there
+    # would only run the forward again (twice on the last stage, whose loss needs it)
     runner = functools.partial(stage_runner, stage_modules(net, plan), plan, batch_stats,
-                               bn_mode, data_axis, remat, rules, select, rng,
+                               bn_mode, data_axis, remat and schedule == "gpipe", rules,
+                               select, rng,
                                functools.partial(net._split, train=True))
     lp = make_loop(net, batch, params, runner(), S, M, bn_mode,
                    flat_axes(data_axis, stage_axis), bubble_fill, loss_scale, mixing, rng)
@@ -343,12 +347,14 @@ def slot_passes(schedule: str, num_stages: int, k: int, remat: bool) -> tuple:
 
     * GPipe: the forward loop's primal; its transpose recomputes (with ``remat``)
       and runs the backward.
-    * 1F1B: the F slot's primal, and the B slot: ``jax.vjp`` of the stage, whose
-      checkpointed (``remat``) call is recomputed for the backward. Its primal
-      output is dead code except on the last stage, where the loss inside the
-      ``vjp`` needs the logits (so the last stage's forward runs twice in B).
+    * 1F1B: the F slot's primal, and the B slot: ``jax.vjp`` of the stage (its
+      forward again, then its backward). The layout passes ``remat`` to GPipe only;
+      with a checkpointed (``remat``) call the B slot's primal output would be dead
+      code but on the last stage, whose loss inside the ``vjp`` needs the logits, and
+      the backward would recompute the stage once more.
     * ZB-H1: the F slot, and the B slot (input cotangent; stage 0 has none) and W
-      slot (parameters only: no input cotangent), each recomputing as 1F1B's B.
+      slot (parameters only: no input cotangent), each running the stage again as
+      1F1B's B.
 
     Every branch of the tick's ``lax.switch`` counts once per tick, as
     :func:`trjax.comm.by_axis` counts them.
@@ -462,7 +468,7 @@ def layout(base: Layout, num_microbatches: int = 0, stages: StagePlan | None = N
                                          rows=packing),
         tensor_traffic=None if base.tensor_traffic is None else functools.partial(
             tensor_traffic, base.tensor_traffic, stages, M, world.local_batch_size, schedule,
-            remat),
+            remat and schedule == "gpipe"),
         collective_labels={**base.collective_labels, STAGE_AXIS: _LABELS},
         details={**base.details, "pipeline_microbatches": M,
                  "pipeline_stage_shares": list(stages.shares)})
