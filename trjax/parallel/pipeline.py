@@ -244,7 +244,7 @@ def stage_runner(mods, plan: StagePlan, batch_stats, bn_mode: str, data_axis: st
                     x_in, train=True, mutable=["batch_stats", "bn_sums"], rngs=rngs)
             return y, new.get("bn_sums", {})
 
-        if remat and width is not None and x_in.size <= width:
+        if remat and width is not None:
             shape, n = x_in.shape, x_in.size
             out = jax.checkpoint(lambda p, x, mask, j: call(p, x[:n].reshape(shape), mask, j))(
                 p, jnp.pad(x_in.reshape(-1), (0, width - n)), mask, j)

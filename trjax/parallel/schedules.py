@@ -216,7 +216,7 @@ def one_f_one_b(p, forward_branches, run_stage, lp: Loop, loss_sum):
     S, M, axes = lp.S, lp.M, lp.axes
     in_shapes = [lp.images.shape[1:]] + [b.shape for b in lp.shapes]
     in_dtypes = [lp.images.dtype] + [b.dtype for b in lp.shapes]
-    width, dtype = max(math.prod(s) for s in in_shapes), jnp.result_type(*in_dtypes)
+    width, dtype = lp.width, jnp.result_type(*in_dtypes)
     flat = lambda x: as_varying(jnp.pad(x.reshape(-1).astype(dtype), (0, width - x.size)), axes)
     zeros_grads = jax.tree_util.tree_map(lambda a: as_varying(jnp.zeros_like(a), axes), p)
     backward_branches = [_backward_branch(k, p, run_stage, lp, loss_sum, in_shapes[k],
